@@ -57,17 +57,19 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, shape, group_size: int
 
 
 def quantize(w: torch.Tensor, group_size: int = 32, scale_dtype: torch.dtype = torch.bfloat16):
-    """Symmetric round-to-nearest INT4 with per-group absmax scales (compressed-tensors' minmax observer).
+    """Symmetric round-to-nearest INT4 with per-group absmax scales, as compressed-tensors' minmax observer
+    and `quantize` do it (bit-exact with the library; see conformance/test_int4.py).
 
     Returns (weight_packed int32 [N, K/8], weight_scale [N, K/G] in `scale_dtype`, weight_shape int64 [2]).
-    scale = absmax / 7.5 rounded to `scale_dtype` (so -8 .. 7 cover the group symmetrically as in
-    compressed-tensors), q = clamp(round(w / scale), -8, 7).
+    scale = absmax / 7.5 (float32, then rounded to `scale_dtype`; an all-zero group gets the dtype's eps),
+    q = clamp(round(w / scale), -8, 7) with the division done in the promoted dtype of w and the scale.
     """
     n, k = w.shape
     if k % group_size or k % 8:
         raise ValueError(f"quantize: K={k} must be divisible by group_size={group_size} and by 8")
-    g = w.float().reshape(n, k // group_size, group_size)                  # [N, K/G, G]
-    absmax = g.abs().amax(-1, keepdim=True)
-    scale = (absmax / 7.5).clamp(min=torch.finfo(torch.float32).tiny).to(scale_dtype)
-    q = torch.clamp(torch.round(g / scale.float()), -8, 7).to(torch.int8).reshape(n, k)
+    g = w.reshape(n, k // group_size, group_size)                            # [N, K/G, G]
+    scale = (g.float().abs().amax(-1, keepdim=True) / 7.5).to(scale_dtype)
+    scale = torch.where(scale == 0, torch.tensor(torch.finfo(scale_dtype).eps, dtype=scale_dtype), scale)
+    div = torch.promote_types(w.dtype, scale_dtype)
+    q = torch.clamp(torch.round(g.to(div) / scale.to(div)), -8, 7).to(torch.int8).reshape(n, k)
     return pack_int4(q), scale.squeeze(-1), torch.tensor([n, k], dtype=torch.int64)
