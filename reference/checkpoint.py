@@ -206,10 +206,7 @@ def save_target(model_or_state, cfg: TargetConfig, path: str, dtype: Optional[to
         if q is not None:
             config["quantization_config"] = q
 
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
-    try:
+    def write(tmp: str) -> None:
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
         shards: list[dict] = [{}]
@@ -223,16 +220,28 @@ def save_target(model_or_state, cfg: TargetConfig, path: str, dtype: Optional[to
             size += nbytes
         if len(shards) == 1:
             save_file(shards[0], os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        else:
-            n = len(shards)
-            weight_map = {}
-            for i, shard in enumerate(shards, 1):
-                file = f"model-{i:05d}-of-{n:06d}.safetensors"   # Kimi names shards ...-of-000062
-                save_file(shard, os.path.join(tmp, file), metadata={"format": "pt"})
-                weight_map.update({name: file for name in shard})
-            total = sum(t.numel() * t.element_size() for t in out.values())
-            with open(os.path.join(tmp, INDEX_FILE), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+            return
+        n = len(shards)
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            file = f"model-{i:05d}-of-{n:06d}.safetensors"   # Kimi names shards ...-of-000062
+            save_file(shard, os.path.join(tmp, file), metadata={"format": "pt"})
+            weight_map.update({name: file for name in shard})
+        total = sum(t.numel() * t.element_size() for t in out.values())
+        with open(os.path.join(tmp, INDEX_FILE), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+    write_directory_atomically(path, write)
+
+
+def write_directory_atomically(path: str, write) -> None:
+    """Call write(tmp_dir) on a fresh directory beside `path`, then rename it to `path` (replacing an old
+    one): readers see the old directory or the whole new one, never a half-written one."""
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+    try:
+        write(tmp)
         if os.path.exists(path):
             shutil.rmtree(path)
         os.replace(tmp, path)

@@ -320,6 +320,9 @@ class DrafterConfig:
         missing = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.name not in kw]
         if missing:
             raise ConfigError(f"{where}: missing required field(s) {missing}")
+        if any(t != "full_attention" for t in (d.get("layer_types") or ())) or d.get("use_sliding_window"):
+            raise ConfigError(f"{where}: sliding-window drafter layers are unsupported (layer_types must all be "
+                              "'full_attention')")
         cfg = cls(**kw)
         if cfg.hidden_act != "silu":
             raise ConfigError(f"{where}: hidden_act {cfg.hidden_act!r} unsupported (DFlash: 'silu')")

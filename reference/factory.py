@@ -77,3 +77,36 @@ def write_random_target(path: str, cfg: TargetConfig | None = None, seed: int = 
     save_kw.setdefault("dtype", torch.float32)
     save_target(random_target(cfg, seed), cfg, path, **save_kw)
     return path
+
+
+def tiny_drafter_config(target_cfg: TargetConfig, **overrides) -> "DrafterConfig":
+    """A DFlash drafter that fits `target_cfg`: 2 layers, GQA 4/2, block 8, layer ids by the DFlash formula,
+    the last vocabulary id as the mask token."""
+    from .config import DrafterConfig
+    from .drafter import target_layer_ids_for
+    layers = overrides.pop("num_hidden_layers", 2)
+    base = dict(hidden_size=target_cfg.hidden_size, num_hidden_layers=layers, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, intermediate_size=48, vocab_size=target_cfg.vocab_size,
+                block_size=8, target_layer_ids=tuple(target_layer_ids_for(target_cfg.num_hidden_layers, layers)),
+                mask_token_id=target_cfg.vocab_size - 1, rms_norm_eps=1e-6, rope_theta=50000.0,
+                max_position_embeddings=target_cfg.max_position_embeddings,
+                num_target_layers=target_cfg.num_hidden_layers)
+    base.update(overrides)
+    return DrafterConfig(**base)
+
+
+@torch.no_grad()
+def random_drafter(cfg, target: Target, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A Drafter with seeded random weights, attached to `target`."""
+    from .drafter import Drafter
+    g = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        model = Drafter(cfg)
+    state = {}
+    for name, p in model.named_parameters():
+        v = 1.0 + 0.1 * torch.randn(p.shape, generator=g) if name.endswith("norm.weight") else \
+            torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5
+        state[name] = v.to(dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.inv_freq = rope_inv_freq(cfg.dim_head, cfg.rope_theta, cfg.rope_scaling)
+    return model.eval().attach(target)

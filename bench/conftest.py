@@ -1,0 +1,72 @@
+"""pytest-benchmark conventions for this suite.
+
+Every bench records provenance in `benchmark.extra_info` (the `provenance` fixture): machine, GPU, library
+versions and the git commit, so a JSON result says what produced it. Run and compare:
+
+    pytest bench -k reference --benchmark-autosave          # .benchmarks/<machine>/0001_<commit>.json
+    pytest bench -k reference --benchmark-compare=0001 --benchmark-compare-fail=median:10%
+    pytest-benchmark compare 0001 0002 --columns=median,iqr,rounds
+
+GPU benches time with CUDA events (see `cuda_time`) and report derived metrics (TB/s, TFLOP/s, ratio to the
+floor, tokens/s) beside the time.
+"""
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "conformance"))
+
+
+def provenance_info() -> dict:
+    import torch
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "host": platform.node(),
+    }
+    try:
+        info["commit"] = subprocess.check_output(["git", "rev-parse", "--short=12", "HEAD"],
+                                                 cwd=os.path.dirname(__file__), text=True,
+                                                 stderr=subprocess.DEVNULL).strip()
+        dirty = subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"],
+                                        cwd=os.path.dirname(__file__), text=True).strip()
+        info["dirty"] = bool(dirty)
+    except (OSError, subprocess.CalledProcessError):
+        info["commit"] = os.environ.get("DDTREE_COMMIT", "unknown")
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+        info["compute_capability"] = "%d.%d" % torch.cuda.get_device_capability()
+    for mod in ("cupy", "numba", "numba_cuda", "numpy"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception:
+            pass
+    return info
+
+
+@pytest.fixture
+def provenance(benchmark):
+    benchmark.extra_info.update(provenance_info())
+    return benchmark.extra_info
+
+
+def cuda_time(fn, warmup: int = 10, reps: int = 100) -> float:
+    """Median seconds of fn() over `reps` CUDA-event-timed runs after `warmup` runs."""
+    import torch
+    for _ in range(warmup):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends))
+    return times[len(times) // 2]
