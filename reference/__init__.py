@@ -9,15 +9,12 @@ This package never imports `optimized`.
 """
 from .checkpoint import CheckpointError, load_target, save_target
 from .config import ConfigError, DrafterConfig, TargetConfig, load_config, load_drafter_config
+from .decode import GenerateOutput, generate
+from .drafter import Drafter, load_drafter, save_drafter
 from .target import LatentCache, Target
+from .tree import CompiledTree, Tree, build_tree, compile_tree, follow_verified_tree
 
-__all__ = ["load_target", "save_target", "load_config", "load_drafter_config", "TargetConfig",
-           "DrafterConfig", "Target", "LatentCache", "CheckpointError", "ConfigError"]
-
-try:  # the drafter and decoder are added by later modules of this package
-    from .drafter import Drafter, load_drafter, save_drafter  # noqa: F401
-    from .decode import GenerateOutput, generate  # noqa: F401
-    __all__ += ["load_drafter", "save_drafter", "Drafter", "generate", "GenerateOutput"]
-except ImportError as _e:  # pragma: no cover - only while the decoder is being written
-    if not any(m in str(_e) for m in ("drafter", "decode", "tree")):
-        raise
+__all__ = ["load_target", "save_target", "load_drafter", "save_drafter", "generate", "GenerateOutput",
+           "load_config", "load_drafter_config", "TargetConfig", "DrafterConfig", "Target", "Drafter",
+           "LatentCache", "Tree", "CompiledTree", "build_tree", "compile_tree", "follow_verified_tree",
+           "CheckpointError", "ConfigError"]
