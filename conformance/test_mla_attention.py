@@ -1,0 +1,264 @@
+"""optimized.mla_attention (kernels/mla_attention.cu) against reference.target.absorbed_attention.
+
+CPU: the mask format, input validation, the launch plan, and an nvcc build of the .cu for sm_90 / sm_120.
+GPU (`gpu`): the tolerance policy (mla_cases.check_policy: <= 2x PyTorch-bf16's error vs float64) on random
+trees and chains, odd prefixes, T = 1 .. 1025, H = 1 .. 128; split-KV merges; the generic path; stream,
+graph capture, determinism, every element written. `speed`: the issue's goals, judged by ratios in-run.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import mla_cases as mc
+from optimized import mla_attention as mla
+from optimized.mla_attention import pack_visibility, unpack_visibility, plan, tree_attention
+
+H200 = dict(sm_count=132, smem_optin=232448)
+
+
+# ---- CPU: mask format ------------------------------------------------------------------------------------
+
+@given(t=st.integers(1, 1025), n=st.integers(1, 1025), seed=st.integers(0, 2 ** 31 - 1))
+def test_pack_round_trip(t, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    vis = torch.rand(t, n, generator=g) < torch.rand(1, generator=g)
+    words = pack_visibility(vis)
+    assert words.dtype == torch.int32 and words.shape == (t, (n + 31) // 32)
+    assert torch.equal(unpack_visibility(words, n), vis)
+
+
+def test_pack_bit_layout():
+    vis = torch.zeros(2, 70, dtype=torch.bool)
+    vis[0, 0] = vis[0, 31] = vis[0, 69] = vis[1, 33] = True
+    w = pack_visibility(vis)
+    assert w.tolist() == [[1 - 2 ** 31, 0, 1 << 5], [0, 1 << 1, 0]]   # bit 31 set -> negative int32
+
+
+def test_tree_visibility_ancestors():
+    vis = mc.tree_visibility([-1, 0, 0, 1, 3])
+    assert vis[4].tolist() == [True, True, False, True, True]
+    assert vis[2].tolist() == [True, False, True, False, False]
+
+
+# ---- CPU: validation (raises before any GPU is touched) --------------------------------------------------
+
+def _cpu_inputs(t=3, h=2, c=16, r=8, p=5):
+    return (torch.zeros(t, h, c, dtype=torch.bfloat16), torch.zeros(t, h, r, dtype=torch.bfloat16),
+            torch.zeros(p + t, c + r, dtype=torch.bfloat16), torch.zeros(t, (t + 31) // 32, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("mutate, error, match", [
+    (lambda a: (a[0].float(), *a[1:]), TypeError, "q_lat must be bfloat16"),
+    (lambda a: (a[0], a[1], a[2].half(), a[3]), TypeError, "latent must be bfloat16"),
+    (lambda a: (*a[:3], a[3].long()), TypeError, "tree_mask must be int32"),
+    (lambda a: (a[0][0], *a[1:]), ValueError, r"expected q_lat \[T,H,C\]"),
+    (lambda a: (a[0], a[1][:, :1], *a[2:]), ValueError, "must share"),
+    (lambda a: (*a[:2], a[2][:, :-1], a[3]), ValueError, "latent rows have"),
+    (lambda a: (*a[:2], a[2][:2], a[3]), ValueError, "prefix plus the T"),
+    (lambda a: (*a[:3], torch.zeros(3, 2, dtype=torch.int32)), ValueError, r"tree_mask must be \[T, ceil"),
+    (lambda a: (a[0].transpose(0, 1).contiguous().transpose(0, 1), *a[1:]), ValueError, "q_lat must be contiguous"),
+    (lambda a: a, ValueError, "needs CUDA tensors"),
+])
+def test_validation_errors(mutate, error, match):
+    with pytest.raises(error, match=match):
+        tree_attention(*mutate(_cpu_inputs()), mc.K2_SCALE)
+
+
+def test_validation_too_long_and_scale():
+    t = mla.MAX_T + 1
+    args = _cpu_inputs(t=t, h=1)
+    with pytest.raises(ValueError, match="1..1025"):
+        tree_attention(*args, mc.K2_SCALE)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        tree_attention(*_cpu_inputs(), float("nan"))
+    with pytest.raises(ValueError, match="neither the tensor-core shape"):
+        tree_attention(*_cpu_inputs(c=2048, r=8), mc.K2_SCALE)
+
+
+# ---- CPU: the launch plan --------------------------------------------------------------------------------
+
+@given(t=st.integers(1, 1025), h=st.sampled_from([1, 4, 64, 128]), p=st.integers(0, 140_000))
+def test_plan_covers_keys(t, h, p):
+    pl = plan(t, h, 512, 64, p + t, **H200)
+    assert pl.backend == "mma" and pl.kernel == "mla_mma_w8_m64_n64_s2" and pl.smem <= H200["smem_optin"]
+    assert pl.chunk_keys % 64 == 0 and 1 <= pl.splits <= mla.MAX_SPLITS
+    assert (pl.splits - 1) * pl.chunk_keys < p + t <= pl.splits * pl.chunk_keys     # no empty split, all keys
+    assert pl.grid == (-(-t * h // 64), pl.splits, 1)
+
+
+def test_plan_backends_and_configs():
+    assert plan(4, 4, 16, 8, 20, **H200).backend == "simt"
+    assert plan(1, 64, 512, 64, 100, sm_count=188, smem_optin=101376).kernel == "mla_mma_w4_m32_n32_s1"
+    with pytest.raises(ValueError, match="needs 230912 B"):
+        plan(1, 64, 512, 64, 100, sm_count=188, smem_optin=101376, config="mla_mma_w8_m64_n64_s2")
+    with pytest.raises(ValueError, match="tensor-core kernel"):
+        plan(4, 4, 16, 8, 20, **H200, num_splits=2)
+    assert plan(1, 64, 512, 64, 8192 + 1, **H200, num_splits=7).splits == 7
+
+
+# ---- CPU: the .cu builds for both target architectures ---------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
+def test_nvcc_builds(arch, tmp_path):
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not on PATH")
+    res = subprocess.run(["nvcc", f"-arch={arch}", "-cubin", "-std=c++17", "-Xptxas", "-v", "-o",
+                          str(tmp_path / "mla.cubin"), str(mla._CU_PATH)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    for name in list(mla.CONFIGS) + ["mla_combine", "mla_generic"]:
+        assert f"Compiling entry function '{name}'" in res.stderr
+    spills = [int(x.split()[0]) for x in res.stderr.split(", ") if x.endswith("bytes spill stores")]
+    assert max(spills) <= 64, f"register spills grew: {res.stderr}"
+
+
+# ---- GPU: the tolerance policy ---------------------------------------------------------------------------
+
+CASES = [  # (T, H, prefix, kind)
+    (1, 64, 0, "chain"), (1, 64, 1000, "chain"), (1, 128, 4097, "chain"), (1, 1, 63, "chain"),
+    (2, 64, 63, "random"), (5, 1, 0, "chain"), (9, 64, 1000, "random"), (31, 3, 65, "random"),
+    (33, 64, 100, "random"), (33, 7, 31, "random"), (64, 128, 777, "random"), (65, 64, 4097, "random"),
+    (65, 64, 129, "chain"), (257, 64, 2000, "random"), (1025, 4, 300, "random"), (1025, 64, 129, "random"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, h, prefix, kind", CASES)
+def test_matches_reference(t, h, prefix, kind):
+    case = mc.make_case(t, h, prefix, kind=kind, seed=t * 1000 + prefix)
+    assert mla.plan_for(case.q_lat, case.q_pe, case.latent).backend == "mma"
+    out = tree_attention(case.q_lat, case.q_pe, case.latent, case.tree_mask, case.scale)
+    mc.check_policy(out, mc.reference_f64(case), mc.reference_bf16(case), f"T={t} H={h} P={prefix} {kind}")
+
+
+@pytest.mark.gpu
+def test_peaked_scores():
+    case = mc.make_case(40, 64, 3000, q_std=2.0, seed=7)      # score std ~ 7: near one-hot rows
+    out = tree_attention(case.q_lat, case.q_pe, case.latent, case.tree_mask, case.scale)
+    mc.check_policy(out, mc.reference_f64(case), mc.reference_bf16(case), "peaked")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 2, 7, 47, mla.MAX_SPLITS])
+def test_split_merge(splits):
+    # T=200 over P=10: later chunks hold only tree keys, so many rows see nothing there (lse = -inf partials)
+    for t, h, prefix in ((17, 64, 3000), (200, 8, 10)):
+        case = mc.make_case(t, h, prefix, seed=splits + t)
+        out = tree_attention(case.q_lat, case.q_pe, case.latent, case.tree_mask, case.scale, num_splits=splits)
+        mc.check_policy(out, mc.reference_f64(case), mc.reference_bf16(case), f"splits={splits} T={t}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, h, prefix", [(1, 64, 1000), (9, 64, 333), (65, 16, 4097), (300, 2, 50)])
+def test_small_smem_config(t, h, prefix):
+    """The 99 KB configuration (sm_120 parts), exercised on whatever GPU is here."""
+    case = mc.make_case(t, h, prefix, seed=5 + t)
+    out = tree_attention(case.q_lat, case.q_pe, case.latent, case.tree_mask, case.scale,
+                         config="mla_mma_w4_m32_n32_s1")
+    mc.check_policy(out, mc.reference_f64(case), mc.reference_bf16(case), f"w4 T={t} H={h} P={prefix}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, h, c, r, prefix", [(1, 4, 16, 8, 0), (7, 4, 16, 8, 5), (40, 4, 16, 8, 100),
+                                                (33, 2, 256, 32, 70), (3, 3, 1000, 200, 17)])
+def test_generic_small_dims(t, h, c, r, prefix):
+    case = mc.make_case(t, h, prefix, c=c, r=r, seed=t + c)
+    assert mla.plan_for(case.q_lat, case.q_pe, case.latent).backend == "simt"
+    out = tree_attention(case.q_lat, case.q_pe, case.latent, case.tree_mask, case.scale)
+    mc.check_policy(out, mc.reference_f64(case), mc.reference_bf16(case), f"generic C={c} R={r}")
+
+
+@pytest.mark.gpu
+def test_absorbed_attention_signature():
+    case = mc.make_case(12, 64, 500, seed=3)
+    out = mla.absorbed_attention(case.q_lat, case.q_pe, case.latent, case.visible, case.scale)
+    mc.check_policy(out, mc.reference_f64(case), mc.reference_bf16(case), "absorbed_attention")
+    vis = case.visible.clone()
+    vis[3, 10] = False
+    with pytest.raises(ValueError, match="every prefix slot visible"):
+        mla.absorbed_attention(case.q_lat, case.q_pe, case.latent, vis, case.scale)
+
+
+# ---- GPU: serving-engine properties ----------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, prefix", [(1, 5000), (65, 1000)])
+def test_every_element_written_and_deterministic(t, prefix):
+    case = mc.make_case(t, 64, prefix, seed=11)
+    out = torch.full_like(case.q_lat, float("nan"))
+    tree_attention(case.q_lat, case.q_pe, case.latent, case.tree_mask, case.scale, out=out)
+    assert torch.isfinite(out).all()
+    again = tree_attention(case.q_lat, case.q_pe, case.latent, case.tree_mask, case.scale)
+    assert torch.equal(out, again), "two runs differ: a race"
+
+
+@pytest.mark.gpu
+def test_side_stream_and_graph_capture():
+    case = mc.make_case(33, 64, 2000, seed=13)
+    args = (case.q_lat, case.q_pe, case.latent, case.tree_mask, case.scale)
+    want = tree_attention(*args)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = tree_attention(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(got, want)
+    out = torch.empty_like(want)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        tree_attention(*args, out=out)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+
+
+@pytest.mark.gpu
+def test_gpu_layout_errors():
+    case = mc.make_case(4, 8, 100, seed=1)
+    lat = case.latent
+    with pytest.raises(ValueError, match="q_lat must be contiguous"):
+        tree_attention(case.q_lat.transpose(0, 1).contiguous().transpose(0, 1), case.q_pe, lat, case.tree_mask,
+                       case.scale)
+    buf = torch.empty(lat.numel() + 1, dtype=torch.bfloat16, device=lat.device)
+    shifted = buf[1:].view_as(lat)
+    shifted.copy_(lat)
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        tree_attention(case.q_lat, case.q_pe, shifted, case.tree_mask, case.scale)
+    with pytest.raises(ValueError, match="on cpu"):
+        tree_attention(case.q_lat, case.q_pe, lat, case.tree_mask.cpu(), case.scale)
+
+
+# ---- GPU: speed goals (issue 6 section 5), judged by ratios measured in this run ----------------------------
+
+def _speed(t, prefix, h=64):
+    case = mc.make_case(t, h, prefix, seed=99)
+    mask = case.tree_mask
+    ours = mc.time_graph([lambda: tree_attention(case.q_lat, case.q_pe, case.latent, mask, case.scale)])
+    torch_s = mc.time_eager(lambda: mc.reference_bf16(case))
+    flops, nbytes = mc.work(case)
+    return ours, torch_s, flops, nbytes
+
+
+@pytest.mark.gpu
+@pytest.mark.speed
+def test_speed_decode_bandwidth():
+    """T = 1, prefix 8k: within 2x of the bandwidth floor; and faster than PyTorch's masked einsum."""
+    ours, torch_s, flops, nbytes = _speed(1, 8192)
+    ratio = ours / mc.floor_seconds(flops, nbytes)
+    assert torch_s / ours >= 2.0, f"only {torch_s / ours:.2f}x PyTorch"
+    assert ratio <= 2.0, f"T=1 P=8k: {ours * 1e6:.1f} us = {ratio:.2f}x the floor (goal <= 2x)"
+
+
+@pytest.mark.gpu
+@pytest.mark.speed
+def test_speed_tree_tflops():
+    """T = 33, prefix 8k: >= 400 TFLOP/s (half the measured 787); and faster than PyTorch's masked einsum."""
+    ours, torch_s, flops, nbytes = _speed(33, 8192)
+    assert torch_s / ours >= 2.0, f"only {torch_s / ours:.2f}x PyTorch"
+    tflops = flops / ours / 1e12
+    assert tflops >= 400, f"T=33 P=8k: {tflops:.0f} TFLOP/s (goal >= 400)"

@@ -1,0 +1,502 @@
+// Tree-masked MLA attention over the latent cache (absorbed form, the verify-attention core).
+//
+//   o_lat[t, h, :] = softmax_s( scale * (q_lat[t,h,:] . kv[s,:] + q_pe[t,h,:] . k_pe[s,:]) | visible ) @ kv[s, :]
+//
+// Shapes (row-major, contiguous, bf16 unless said):
+//   q_lat [T, H, C]   q_pe [T, H, R]   latent [S, C+R] with S = P + T (the T tree rows are slots P..S-1)
+//   tree_mask int32 [T, W], W = ceil(T/32): key slot P+j is visible to row t iff bit j%32 of word [t, j/32];
+//   every prefix slot (< P) is visible to every row.   out [T, H, C] bf16.
+// Query rows are flattened: m = t*H + h, M = T*H. All heads share one latent row, so the kernel is a GEMM
+// with M = T*H query rows against one shared K (576 wide) / V (the first 512 of the same rows).
+//
+// Kernels
+//   mla_mma_<cfg>   tensor cores (mma.sync m16n8k16 bf16 -> fp32; sm_80+, so sm_90 and sm_120), C=512, R=64.
+//   mla_combine     log-sum-exp merge of the split-KV partials.
+//   mla_generic     one warp per query row, fp32 SIMT, any C <= 1024, R <= 256 (tiny fixtures).
+//
+// mla_mma launch geometry (config w8_m64_n64_s2, the H100/H200 one; w4_m32_n32_s1 fits 99 KB parts):
+//   grid (ceil(M/BM), splits), block NW*32 threads, 1 block/SM. blockIdx.x (row tile) varies fastest so
+//   the blocks resident together read the same key chunk (L2 reuse across row tiles).
+//   Block (rt, sp): rows [rt*BM, +BM), keys [sp*chunk, min(S, (sp+1)*chunk)), chunk a multiple of BN.
+//   smem: Q tile BM x 576 (resident), K/V tiles STAGES x BN x 576 (cp.async, one tile in flight), P BM x BN.
+//   Rows of 1152 B are XOR-swizzled in 16-B chunks so ldmatrix rows hit distinct banks.
+//   Per key tile:
+//     S = Q K^T    warp (rg, kh): rows rg*16..+16, keys kh*KW..+KW, 36 k-steps over 576 channels
+//     online softmax in the exp2 domain; the KH warps of a row group exchange row maxima (named barrier)
+//     P (bf16) -> smem; alpha (rescale) -> smem
+//     O += P V     warp w: all BM rows x output columns w*CW..+CW (V = first 512 channels of the K tile,
+//                  ldmatrix.trans), accumulators in registers (BM*512/NW/32 = 128 fp32 per thread)
+//   splits == 1: out = O / l in bf16.  splits > 1: fp32 O/l and lse = m + log2 l per split -> mla_combine.
+//
+// Napkin math (K2.6: H=64, C=512, R=64; per visible (query row, key) pair: 2*576 + 2*512 = 2176 flop):
+//   bytes = S*1152 (latent, read once) + T*H*(576+512)*2 (q, out) + T*W*4 (mask)
+//   flops = 2176 * H * sum_t (P + visible tree rows of t)
+//   FLOP/byte at T=1: 2176*64/1152 = 121 < ridge 787/4.24 = 186 -> decode is bandwidth-bound on paper
+//   (floor at P=128k: 151 MB / 4.24 TB/s = 36 us); T >= 2 is compute-bound (T=65, P=32k: 0.29 TFLOP,
+//   floor 0.37 ms at 787 TFLOP/s).
+//   Expected bound of this kernel: shared-memory bandwidth and mma.sync issue. Per 64x64 tile the block
+//   reads ~573 KB through ldmatrix (Q is re-read for every key tile: the O accumulator takes the
+//   registers that would hold it) against 8.9 MFLOP: at 128 B/clk/SM that caps it near 520 TFLOP/s, and
+//   mma.sync on Hopper issues at roughly 60-65% of the wgmma rate, so expect ~250-350 TFLOP/s at
+//   T >= 9; reaching the 787 ceiling needs a wgmma (sm_90a) variant.
+
+typedef unsigned short bf16_t;   // raw bf16 bits; no cuda_bf16.h needed (NVRTC and nvcc alike)
+
+#define MLA_C 512
+#define MLA_R 64
+#define MLA_L 576
+#define MLA_ROW_CHUNKS 72        // 16-byte chunks per 576-value row
+#define MLA_ROW_BYTES 1152
+
+// ---- small PTX helpers ------------------------------------------------------------------------------
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ float bf16_to_float(bf16_t v) { return __uint_as_float(((unsigned)v) << 16); }
+
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));   // a -> upper half, b -> lower
+    return r;
+}
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int src_bytes) {
+    // src_bytes = 0 fills the 16 bytes with zeros (rows past the end: keeps NaN garbage out of P*V)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+
+// D (+)= A (16x16 bf16, row) * B (16x8 bf16, col), fp32 accumulate
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+
+// Byte offset of 16-B chunk c of row r in a tile of 576-value rows (1152 B = 9 x 128 B, so every row starts
+// on bank 0): XOR the low 3 chunk bits with the row, so 8 consecutive rows at one logical chunk land in 8
+// distinct 16-B bank groups.
+__device__ __forceinline__ unsigned row_off(int r, int c) {
+    return (unsigned)(r * MLA_ROW_BYTES + ((((c & ~7) | ((c ^ r) & 7))) << 4));
+}
+
+// Visibility of key slot `key` to tree row t: whole prefix, then the packed ancestor bits.
+__device__ __forceinline__ bool key_visible(const unsigned* __restrict__ mask, int words, int t, int key, int P,
+                                            int key_end) {
+    if (key >= key_end) return false;
+    if (key < P) return true;
+    const int j = key - P;
+    return (__ldg(mask + t * words + (j >> 5)) >> (j & 31)) & 1u;
+}
+
+// ---- tensor-core kernel ----------------------------------------------------------------------------
+
+template <int NW, int BM, int BN, int STAGES>
+struct MmaCfg {
+    static constexpr int RG = BM / 16;          // QK row groups
+    static constexpr int KH = NW / RG;          // QK key groups (warps sharing a row group)
+    static constexpr int KW = BN / KH;          // keys per QK warp
+    static constexpr int NP = KW / 16;          // n-tile pairs per QK warp
+    static constexpr int CW = MLA_C / NW;       // output columns per PV warp
+    static constexpr int NT = CW / 8;           // n-tiles per PV warp
+    static constexpr int MT = BM / 16;          // m-tiles per PV warp
+    static constexpr int PCH = BN / 8;          // 16-B chunks per P row
+    static constexpr int Q_BYTES = BM * MLA_ROW_BYTES;
+    static constexpr int K_BYTES = BN * MLA_ROW_BYTES;
+    static constexpr int P_BYTES = BM * BN * 2;
+    static constexpr int SMEM = Q_BYTES + STAGES * K_BYTES + P_BYTES + (2 * KH + 2) * BM * 4;
+    static_assert(BM % 16 == 0 && NW % RG == 0, "row groups must divide the warps");
+    static_assert(KW % 16 == 0 && NP >= 1, "each QK warp needs a multiple of 16 keys");
+    static_assert(CW % 64 == 0, "each PV warp needs a multiple of 64 output columns (ldmatrix offsets)");
+    static_assert(PCH == 4 || PCH % 8 == 0, "P swizzle handles 64-B rows or multiples of 128 B");
+    static_assert(STAGES == 1 || STAGES == 2, "one or two K stages");
+};
+
+// Byte offset of 16-B chunk c of row r of the P tile (rows of BN bf16).
+template <int PCH>
+__device__ __forceinline__ unsigned p_off(int r, int c) {
+    if (PCH % 8 == 0) return (unsigned)(r * PCH * 16 + ((((c & ~7) | ((c ^ r) & 7))) << 4));
+    return (unsigned)(r * PCH * 16 + ((c ^ ((r >> 1) & 3)) << 4));    // 64-B rows: pairs of rows per bank sweep
+}
+
+template <int NW, int BM, int BN, int STAGES>
+__device__ __forceinline__ void mla_mma_body(
+    const bf16_t* __restrict__ q_lat, const bf16_t* __restrict__ q_pe, const bf16_t* __restrict__ latent,
+    const unsigned* __restrict__ tree_mask, bf16_t* __restrict__ out, float* __restrict__ o_part,
+    float* __restrict__ lse_part, int T, int H, int P, int S, int words, int chunk_keys, float scale_log2) {
+    typedef MmaCfg<NW, BM, BN, STAGES> Cfg;
+    constexpr int RG = Cfg::RG, KH = Cfg::KH, KW = Cfg::KW, NP = Cfg::NP, CW = Cfg::CW, NT = Cfg::NT,
+                  MT = Cfg::MT, PCH = Cfg::PCH, NTHREADS = NW * 32;
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    unsigned char* sQ = smem;
+    unsigned char* sK = sQ + Cfg::Q_BYTES;
+    unsigned char* sP = sK + STAGES * Cfg::K_BYTES;
+    float* sMax = reinterpret_cast<float*>(sP + Cfg::P_BYTES);   // [KH][BM] tile row maxima per key group
+    float* sL = sMax + KH * BM;                                  // [KH][BM] row sums per key group
+    float* sAlpha = sL + KH * BM;                                // [BM] rescale of the running output
+    float* sM = sAlpha + BM;                                     // [BM] final row maxima
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int M = T * H;
+    const int row0 = blockIdx.x * BM;
+    const int split = blockIdx.y;
+    const int key_begin = split * chunk_keys;
+    const int key_end = min(S, key_begin + chunk_keys);
+    const int n_tiles = (key_end - key_begin + BN - 1) / BN;
+    const unsigned sQa = smem_addr(sQ), sKa = smem_addr(sK), sPa = smem_addr(sP);
+
+    // Q tile: chunks 0..63 from q_lat, 64..71 from q_pe; rows past M are zero-filled.
+    for (int i = tid; i < BM * MLA_ROW_CHUNKS; i += NTHREADS) {
+        const int r = i / MLA_ROW_CHUNKS, c = i - r * MLA_ROW_CHUNKS, m = row0 + r;
+        const bool ok = m < M;
+        const bf16_t* src = !ok ? q_lat : (c < 64 ? q_lat + (size_t)m * MLA_C + c * 8
+                                                   : q_pe + (size_t)m * MLA_R + (c - 64) * 8);
+        cp_async16(sQa + row_off(r, c), src, ok ? 16 : 0);
+    }
+    auto load_k = [&](int tile, int buf) {
+        const int k0 = key_begin + tile * BN;
+        const unsigned base = sKa + buf * Cfg::K_BYTES;
+        for (int i = tid; i < BN * MLA_ROW_CHUNKS; i += NTHREADS) {
+            const int r = i / MLA_ROW_CHUNKS, c = i - r * MLA_ROW_CHUNKS, key = k0 + r;
+            const bool ok = key < key_end;
+            cp_async16(base + row_off(r, c), ok ? latent + (size_t)key * MLA_L + c * 8 : latent, ok ? 16 : 0);
+        }
+    };
+    load_k(0, 0);
+    cp_async_commit();
+
+    // QK role: warp (rg, kh) owns rows rg*16 + g and rg*16 + g + 8 (g = lane/4) of the tile's score block.
+    const int rg = warp % RG, kh = warp / RG;
+    const int g = lane >> 2, q4 = lane & 3;
+    const int qr0 = rg * 16 + g, qr1 = qr0 + 8;
+    const int t0 = min((row0 + qr0) / H, T - 1), t1 = min((row0 + qr1) / H, T - 1);
+    float m_run0 = neg_inf(), m_run1 = neg_inf(), l_run0 = 0.f, l_run1 = 0.f;
+
+    // PV role: warp owns all BM rows x columns warp*CW..+CW.
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int a = 0; a < MT; ++a)
+#pragma unroll
+        for (int b = 0; b < NT; ++b)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[a][b][e] = 0.f;
+
+    // ldmatrix lane addresses (see row_off / p_off): QK A = Q rows, QK B = K rows, PV A = P rows, PV B = V
+    // rows read transposed. Index j = position of the 16-column step inside its 128-B group.
+    const int mi = lane >> 3;
+    unsigned qk_a_off[4], qk_b_off[4], pv_a_off[BN / 16], pv_b_off[4];
+    {
+        const int a_row = rg * 16 + (lane & 15), b_row = kh * KW + (mi >> 1) * 8 + (lane & 7);
+        const int v_row = (mi & 1) * 8 + (lane & 7), v_chk = (warp * CW) / 8 + (mi >> 1);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            qk_a_off[j] = sQa + row_off(a_row, 2 * j + (lane >> 4));
+            qk_b_off[j] = row_off(b_row, 2 * j + (mi & 1));
+            pv_b_off[j] = row_off(v_row, v_chk + 2 * j);   // v_chk + 2j stays inside one 128-B group iff
+        }                                                  // (v_chk & 7) + 2j < 8: true as CW % 64 == 0
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) pv_a_off[kk] = sPa + p_off<PCH>(lane & 15, 2 * kk + (lane >> 4));
+    }
+
+    for (int it = 0; it < n_tiles; ++it) {
+        const int buf = STAGES == 2 ? (it & 1) : 0;
+        cp_async_wait_all();
+        __syncthreads();   // tile `it` visible to all; everyone is past PV(it-1), so buf^1 and P are free
+        if (STAGES == 2) {
+            if (it + 1 < n_tiles) load_k(it + 1, buf ^ 1);
+            cp_async_commit();
+        }
+        const unsigned kbase = sKa + buf * Cfg::K_BYTES;
+
+        // ---- S = Q K^T over 576 channels
+        float s[2 * NP][4];
+#pragma unroll
+        for (int n = 0; n < 2 * NP; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
+        {
+            // chunk c of row r sits at r*1152 + ((c ^ (r & 7)) << 4); with c = 2*kk + half, the XOR only
+            // touches the low 3 bits, so kk = 4*kb + j gives base_j + 128*kb (immediates once unrolled).
+#pragma unroll
+            for (int kb = 0; kb < MLA_ROW_CHUNKS / 8; ++kb) {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    unsigned a[4];
+                    ldsm_x4(a, qk_a_off[j] + 128 * kb);
+#pragma unroll
+                    for (int np = 0; np < NP; ++np) {
+                        unsigned b[4];
+                        ldsm_x4(b, kbase + qk_b_off[j] + np * 16 * MLA_ROW_BYTES + 128 * kb);
+                        mma_bf16(s[2 * np], a, b[0], b[1]);
+                        mma_bf16(s[2 * np + 1], a, b[2], b[3]);
+                    }
+                }
+            }
+        }
+
+        // ---- scale into the exp2 domain, mask, tile row maxima
+        const int wkey0 = key_begin + it * BN + kh * KW;     // first key of this warp's slice
+        const bool need_mask = wkey0 + KW > P || wkey0 + KW > key_end;
+        float mx0 = neg_inf(), mx1 = neg_inf();
+#pragma unroll
+        for (int n = 0; n < 2 * NP; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = s[n][e] * scale_log2;
+                if (need_mask) {
+                    const int key = wkey0 + n * 8 + 2 * q4 + (e & 1);
+                    if (!key_visible(tree_mask, words, e < 2 ? t0 : t1, key, P, key_end)) x = neg_inf();
+                }
+                s[n][e] = x;
+            }
+            mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        if (KH > 1) {
+            if (q4 == 0) {
+                sMax[kh * BM + qr0] = mx0;
+                sMax[kh * BM + qr1] = mx1;
+            }
+            named_barrier(1 + rg, KH * 32);
+            mx0 = sMax[qr0];
+            mx1 = sMax[qr1];
+#pragma unroll
+            for (int k = 1; k < KH; ++k) {
+                mx0 = fmaxf(mx0, sMax[k * BM + qr0]);
+                mx1 = fmaxf(mx1, sMax[k * BM + qr1]);
+            }
+        }
+
+        // ---- online softmax update (all KH warps of a row group compute the same m, alpha)
+        const float mn0 = fmaxf(m_run0, mx0), mn1 = fmaxf(m_run1, mx1);
+        const float mu0 = mn0 == neg_inf() ? 0.f : mn0, mu1 = mn1 == neg_inf() ? 0.f : mn1;
+        const float alpha0 = exp2f(m_run0 - mu0), alpha1 = exp2f(m_run1 - mu1);
+        m_run0 = mn0;
+        m_run1 = mn1;
+        l_run0 *= alpha0;
+        l_run1 *= alpha1;
+#pragma unroll
+        for (int n = 0; n < 2 * NP; ++n) {
+            const float p0 = exp2f(s[n][0] - mu0), p1 = exp2f(s[n][1] - mu0);
+            const float p2 = exp2f(s[n][2] - mu1), p3 = exp2f(s[n][3] - mu1);
+            l_run0 += p0 + p1;
+            l_run1 += p2 + p3;
+            const int chunk = (kh * KW + n * 8) >> 3;
+            *reinterpret_cast<unsigned*>(sP + p_off<PCH>(qr0, chunk) + 4 * q4) = pack_bf16x2(p0, p1);
+            *reinterpret_cast<unsigned*>(sP + p_off<PCH>(qr1, chunk) + 4 * q4) = pack_bf16x2(p2, p3);
+        }
+        if (kh == 0 && q4 == 0) {
+            sAlpha[qr0] = alpha0;
+            sAlpha[qr1] = alpha1;
+        }
+        __syncthreads();   // P and alpha complete
+
+        // ---- O = O * alpha + P V
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const float al0 = sAlpha[mt * 16 + g], al1 = sAlpha[mt * 16 + g + 8];
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                acc[mt][n][0] *= al0;
+                acc[mt][n][1] *= al0;
+                acc[mt][n][2] *= al1;
+                acc[mt][n][3] *= al1;
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            unsigned a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) ldsm_x4(a[mt], pv_a_off[kk] + mt * 16 * PCH * 16);
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                unsigned b[4];
+                ldsm_x4_trans(b, kbase + pv_b_off[np & 3] + (np >> 2) * 128 + kk * 16 * MLA_ROW_BYTES);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(acc[mt][2 * np], a[mt], b[0], b[1]);
+                    mma_bf16(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+                }
+            }
+        }
+        if (STAGES == 1) {
+            __syncthreads();   // everyone is done with the single K buffer
+            if (it + 1 < n_tiles) load_k(it + 1, 0);
+            cp_async_commit();
+        }
+    }
+
+    // ---- epilogue: total row sums, normalize, write
+    l_run0 += __shfl_xor_sync(0xffffffffu, l_run0, 1);
+    l_run0 += __shfl_xor_sync(0xffffffffu, l_run0, 2);
+    l_run1 += __shfl_xor_sync(0xffffffffu, l_run1, 1);
+    l_run1 += __shfl_xor_sync(0xffffffffu, l_run1, 2);
+    if (q4 == 0) {
+        sL[kh * BM + qr0] = l_run0;
+        sL[kh * BM + qr1] = l_run1;
+        if (kh == 0) {
+            sM[qr0] = m_run0;
+            sM[qr1] = m_run1;
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = mt * 16 + g + 8 * h, m = row0 + r;
+            float l = 0.f;
+#pragma unroll
+            for (int k = 0; k < KH; ++k) l += sL[k * BM + r];
+            const float inv = l > 0.f ? 1.f / l : 0.f;
+            if (m < M) {
+                if (o_part == nullptr) {
+                    bf16_t* dst = out + (size_t)m * MLA_C + warp * CW + 2 * q4;
+#pragma unroll
+                    for (int n = 0; n < NT; ++n)
+                        *reinterpret_cast<unsigned*>(dst + n * 8) =
+                            pack_bf16x2(acc[mt][n][2 * h] * inv, acc[mt][n][2 * h + 1] * inv);
+                } else {
+                    float* dst = o_part + ((size_t)split * M + m) * MLA_C + warp * CW + 2 * q4;
+#pragma unroll
+                    for (int n = 0; n < NT; ++n)
+                        *reinterpret_cast<float2*>(dst + n * 8) =
+                            make_float2(acc[mt][n][2 * h] * inv, acc[mt][n][2 * h + 1] * inv);
+                    if (warp == 0 && q4 == 0)
+                        lse_part[(size_t)split * M + m] = l > 0.f ? sM[r] + __log2f(l) : neg_inf();
+                }
+            }
+        }
+    }
+}
+
+#define MLA_MMA_KERNEL(NAME, NW, BM, BN, STAGES)                                                            \
+    extern "C" __global__ void __launch_bounds__(NW * 32, 1)                                                \
+        NAME(const bf16_t* __restrict__ q_lat, const bf16_t* __restrict__ q_pe,                             \
+             const bf16_t* __restrict__ latent, const unsigned* __restrict__ tree_mask,                     \
+             bf16_t* __restrict__ out, float* __restrict__ o_part, float* __restrict__ lse_part, int T,     \
+             int H, int P, int S, int words, int chunk_keys, float scale_log2) {                             \
+        mla_mma_body<NW, BM, BN, STAGES>(q_lat, q_pe, latent, tree_mask, out, o_part, lse_part, T, H, P, S,  \
+                                         words, chunk_keys, scale_log2);                                    \
+    }
+
+MLA_MMA_KERNEL(mla_mma_w8_m64_n64_s2, 8, 64, 64, 2)   // 230,912 B smem: H100/H200 (227 KB opt-in)
+MLA_MMA_KERNEL(mla_mma_w4_m32_n32_s1, 4, 32, 32, 1)   //  76,544 B smem: sm_120 / sm_86/89 (99 KB opt-in)
+
+// ---- split-KV merge ----------------------------------------------------------------------------------
+// grid M, block 128: out[m, :] = sum_s 2^(lse_s - max) O_s[m, :] / sum_s 2^(lse_s - max)
+extern "C" __global__ void __launch_bounds__(128) mla_combine(const float* __restrict__ o_part,
+                                                              const float* __restrict__ lse_part,
+                                                              bf16_t* __restrict__ out, int M, int C,
+                                                              int splits) {
+    const int m = blockIdx.x;
+    float mx = neg_inf();
+    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, lse_part[(size_t)s * M + m]);
+    for (int c = threadIdx.x * 4; c < C; c += blockDim.x * 4) {
+        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f, den = 0.f;
+        if (mx != neg_inf()) {
+            for (int s = 0; s < splits; ++s) {
+                const float w = exp2f(lse_part[(size_t)s * M + m] - mx);
+                const float4 v = *reinterpret_cast<const float4*>(o_part + ((size_t)s * M + m) * C + c);
+                a0 += w * v.x;
+                a1 += w * v.y;
+                a2 += w * v.z;
+                a3 += w * v.w;
+                den += w;
+            }
+        }
+        const float inv = den > 0.f ? 1.f / den : 0.f;
+        uint2 packed;
+        packed.x = pack_bf16x2(a0 * inv, a1 * inv);
+        packed.y = pack_bf16x2(a2 * inv, a3 * inv);
+        *reinterpret_cast<uint2*>(out + (size_t)m * C + c) = packed;
+    }
+}
+
+// ---- generic SIMT path (any small C, R) ---------------------------------------------------------------
+// grid ceil(M/4), block 128: one warp per query row; lane owns channels lane + 32*i. fp32 throughout
+// (P is not rounded to bf16). Correctness path for the tiny fixtures, not a fast path.
+#define GEN_SLOTS_C 32   // C <= 1024
+#define GEN_SLOTS_R 8    // R <= 256
+
+extern "C" __global__ void __launch_bounds__(128) mla_generic(
+    const bf16_t* __restrict__ q_lat, const bf16_t* __restrict__ q_pe, const bf16_t* __restrict__ latent,
+    const unsigned* __restrict__ tree_mask, bf16_t* __restrict__ out, int T, int H, int C, int R, int P, int S,
+    int words, float scale_log2) {
+    const int lane = threadIdx.x & 31;
+    const int m = blockIdx.x * 4 + (threadIdx.x >> 5);
+    if (m >= T * H) return;
+    const int t = m / H, L = C + R;
+    float q[GEN_SLOTS_C], qr[GEN_SLOTS_R], o[GEN_SLOTS_C];
+#pragma unroll
+    for (int i = 0; i < GEN_SLOTS_C; ++i) {
+        const int c = lane + 32 * i;
+        q[i] = c < C ? bf16_to_float(q_lat[(size_t)m * C + c]) : 0.f;
+        o[i] = 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < GEN_SLOTS_R; ++i) {
+        const int c = lane + 32 * i;
+        qr[i] = c < R ? bf16_to_float(q_pe[(size_t)m * R + c]) : 0.f;
+    }
+    float m_run = neg_inf(), l_run = 0.f;
+    for (int s = 0; s < S; ++s) {
+        if (!key_visible(tree_mask, words, t, s, P, S)) continue;   // warp-uniform
+        const bf16_t* row = latent + (size_t)s * L;
+        float kv[GEN_SLOTS_C];
+        float dot = 0.f;
+#pragma unroll
+        for (int i = 0; i < GEN_SLOTS_C; ++i) {
+            const int c = lane + 32 * i;
+            kv[i] = c < C ? bf16_to_float(row[c]) : 0.f;
+            dot += q[i] * kv[i];
+        }
+#pragma unroll
+        for (int i = 0; i < GEN_SLOTS_R; ++i) {
+            const int c = lane + 32 * i;
+            if (c < R) dot += qr[i] * bf16_to_float(row[C + c]);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+        const float x = dot * scale_log2;
+        const float mn = fmaxf(m_run, x);
+        const float alpha = exp2f(m_run - mn), p = exp2f(x - mn);
+        l_run = l_run * alpha + p;
+#pragma unroll
+        for (int i = 0; i < GEN_SLOTS_C; ++i) o[i] = o[i] * alpha + p * kv[i];
+        m_run = mn;
+    }
+    const float inv = l_run > 0.f ? 1.f / l_run : 0.f;
+#pragma unroll
+    for (int i = 0; i < GEN_SLOTS_C; ++i) {
+        const int c = lane + 32 * i;
+        if (c < C) out[(size_t)m * C + c] = (bf16_t)(pack_bf16x2(o[i] * inv, 0.f) & 0xffffu);
+    }
+}
