@@ -172,8 +172,8 @@ __device__ __forceinline__ void mla_mma_body(
     for (int i = tid; i < BM * MLA_ROW_CHUNKS; i += NTHREADS) {
         const int r = i / MLA_ROW_CHUNKS, c = i - r * MLA_ROW_CHUNKS, m = row0 + r;
         const bool ok = m < M;
-        const bf16_t* src = !ok ? q_lat : (c < 64 ? q_lat + (size_t)m * MLA_C + c * 8
-                                                   : q_pe + (size_t)m * MLA_R + (c - 64) * 8);
+        const bf16_t* src = !ok ? q_lat : (c < 64 ? q_lat + (long long)m * MLA_C + c * 8
+                                                   : q_pe + (long long)m * MLA_R + (c - 64) * 8);
         cp_async16(sQa + row_off(r, c), src, ok ? 16 : 0);
     }
     auto load_k = [&](int tile, int buf) {
@@ -182,7 +182,7 @@ __device__ __forceinline__ void mla_mma_body(
         for (int i = tid; i < BN * MLA_ROW_CHUNKS; i += NTHREADS) {
             const int r = i / MLA_ROW_CHUNKS, c = i - r * MLA_ROW_CHUNKS, key = k0 + r;
             const bool ok = key < key_end;
-            cp_async16(base + row_off(r, c), ok ? latent + (size_t)key * MLA_L + c * 8 : latent, ok ? 16 : 0);
+            cp_async16(base + row_off(r, c), ok ? latent + (long long)key * MLA_L + c * 8 : latent, ok ? 16 : 0);
         }
     };
     load_k(0, 0);
@@ -378,19 +378,19 @@ __device__ __forceinline__ void mla_mma_body(
             const float inv = l > 0.f ? 1.f / l : 0.f;
             if (m < M) {
                 if (o_part == nullptr) {
-                    bf16_t* dst = out + (size_t)m * MLA_C + warp * CW + 2 * q4;
+                    bf16_t* dst = out + (long long)m * MLA_C + warp * CW + 2 * q4;
 #pragma unroll
                     for (int n = 0; n < NT; ++n)
                         *reinterpret_cast<unsigned*>(dst + n * 8) =
                             pack_bf16x2(acc[mt][n][2 * h] * inv, acc[mt][n][2 * h + 1] * inv);
                 } else {
-                    float* dst = o_part + ((size_t)split * M + m) * MLA_C + warp * CW + 2 * q4;
+                    float* dst = o_part + ((long long)split * M + m) * MLA_C + warp * CW + 2 * q4;
 #pragma unroll
                     for (int n = 0; n < NT; ++n)
                         *reinterpret_cast<float2*>(dst + n * 8) =
                             make_float2(acc[mt][n][2 * h] * inv, acc[mt][n][2 * h + 1] * inv);
                     if (warp == 0 && q4 == 0)
-                        lse_part[(size_t)split * M + m] = l > 0.f ? sM[r] + __log2f(l) : neg_inf();
+                        lse_part[(long long)split * M + m] = l > 0.f ? sM[r] + __log2f(l) : neg_inf();
                 }
             }
         }
@@ -418,13 +418,13 @@ extern "C" __global__ void __launch_bounds__(128) mla_combine(const float* __res
                                                               int splits) {
     const int m = blockIdx.x;
     float mx = neg_inf();
-    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, lse_part[(size_t)s * M + m]);
+    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, lse_part[(long long)s * M + m]);
     for (int c = threadIdx.x * 4; c < C; c += blockDim.x * 4) {
         float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f, den = 0.f;
         if (mx != neg_inf()) {
             for (int s = 0; s < splits; ++s) {
-                const float w = exp2f(lse_part[(size_t)s * M + m] - mx);
-                const float4 v = *reinterpret_cast<const float4*>(o_part + ((size_t)s * M + m) * C + c);
+                const float w = exp2f(lse_part[(long long)s * M + m] - mx);
+                const float4 v = *reinterpret_cast<const float4*>(o_part + ((long long)s * M + m) * C + c);
                 a0 += w * v.x;
                 a1 += w * v.y;
                 a2 += w * v.z;
@@ -436,7 +436,7 @@ extern "C" __global__ void __launch_bounds__(128) mla_combine(const float* __res
         uint2 packed;
         packed.x = pack_bf16x2(a0 * inv, a1 * inv);
         packed.y = pack_bf16x2(a2 * inv, a3 * inv);
-        *reinterpret_cast<uint2*>(out + (size_t)m * C + c) = packed;
+        *reinterpret_cast<uint2*>(out + (long long)m * C + c) = packed;
     }
 }
 
@@ -458,18 +458,18 @@ extern "C" __global__ void __launch_bounds__(128) mla_generic(
 #pragma unroll
     for (int i = 0; i < GEN_SLOTS_C; ++i) {
         const int c = lane + 32 * i;
-        q[i] = c < C ? bf16_to_float(q_lat[(size_t)m * C + c]) : 0.f;
+        q[i] = c < C ? bf16_to_float(q_lat[(long long)m * C + c]) : 0.f;
         o[i] = 0.f;
     }
 #pragma unroll
     for (int i = 0; i < GEN_SLOTS_R; ++i) {
         const int c = lane + 32 * i;
-        qr[i] = c < R ? bf16_to_float(q_pe[(size_t)m * R + c]) : 0.f;
+        qr[i] = c < R ? bf16_to_float(q_pe[(long long)m * R + c]) : 0.f;
     }
     float m_run = neg_inf(), l_run = 0.f;
     for (int s = 0; s < S; ++s) {
         if (!key_visible(tree_mask, words, t, s, P, S)) continue;   // warp-uniform
-        const bf16_t* row = latent + (size_t)s * L;
+        const bf16_t* row = latent + (long long)s * L;
         float kv[GEN_SLOTS_C];
         float dot = 0.f;
 #pragma unroll
@@ -497,6 +497,6 @@ extern "C" __global__ void __launch_bounds__(128) mla_generic(
 #pragma unroll
     for (int i = 0; i < GEN_SLOTS_C; ++i) {
         const int c = lane + 32 * i;
-        if (c < C) out[(size_t)m * C + c] = (bf16_t)(pack_bf16x2(o[i] * inv, 0.f) & 0xffffu);
+        if (c < C) out[(long long)m * C + c] = (bf16_t)(pack_bf16x2(o[i] * inv, 0.f) & 0xffffu);
     }
 }

@@ -1,0 +1,85 @@
+"""One-call GPU check of the MLA kernel: device, build (registers, local memory), a correctness table that
+localizes errors (QK path vs PV path, rows, column blocks, splits), then a quick timing line.
+
+python bench/mla_gpu_check.py   (run from the repository root; the conformance tests and the bench follow it)
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "conformance")]
+
+import torch  # noqa: E402
+
+import mla_cases as mc  # noqa: E402
+from optimized import mla_attention as mla  # noqa: E402
+
+
+def localize(out, ref):
+    """Where the error sits: by row mod 16 (mma row layout), by 64-column block (PV warp), by token."""
+    d = (out.double() - ref.double()).abs()
+    scale = ref.abs().max().item()
+    t, h, c = d.shape
+    rows = d.reshape(t * h, c)
+    by_r16 = [rows[i::16].max().item() / scale for i in range(16)]
+    by_cb = [d[..., j:j + 64].max().item() / scale for j in range(0, c, 64)]
+    by_t = d.amax(dim=(1, 2)) / scale
+    return (f"    by row%16: {' '.join(f'{x:.1e}' for x in by_r16)}\n"
+            f"    by 64-col block: {' '.join(f'{x:.1e}' for x in by_cb)}\n"
+            f"    worst tokens: {by_t.topk(min(5, t)).indices.tolist()} first bad token: "
+            f"{int((by_t > 0.05).nonzero()[0]) if (by_t > 0.05).any() else None}")
+
+
+def main():
+    t0 = time.time()
+    info = mla.device_info(0)
+    print(f"device {info}  (compile {time.time() - t0:.1f} s)")
+    for k, v in mla.kernel_attributes(0).items():
+        print(f"  {k}: {v}")
+    cases = [  # (name, T, H, P, kind, kwargs)
+        ("1 tile, no mask", 1, 64, 63, "chain", {}),
+        ("decode P=1000 splits=1", 1, 64, 1000, "chain", dict(num_splits=1)),
+        ("decode P=1000 auto", 1, 64, 1000, "chain", {}),
+        ("tree T=9 P=100 splits=1", 9, 64, 100, "random", dict(num_splits=1)),
+        ("tree T=65 P=4097 auto", 65, 64, 4097, "random", {}),
+        ("tree T=200 H=8 P=10 splits=7", 200, 8, 10, "random", dict(num_splits=7)),
+        ("w4 config T=9 P=333", 9, 64, 333, "random", dict(config="mla_mma_w4_m32_n32_s1")),
+        ("generic C=16 R=8 T=7", 7, 4, 5, "random", dict(c=16, r=8)),
+    ]
+    failures = 0
+    for name, t, h, p, kind, kw in cases:
+        c, r = kw.pop("c", 512), kw.pop("r", 64)
+        for uniform in (True, False):
+            case = mc.make_case(t, h, p, c=c, r=r, kind=kind, seed=t + p)
+            if uniform:      # q = 0: softmax is uniform over visible keys, so only the PV path and the mask count
+                case.q_lat.zero_()
+                case.q_pe.zero_()
+            try:
+                out = mla.tree_attention(case.q_lat, case.q_pe, case.latent, case.tree_mask, case.scale, **kw)
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - a diagnostic table reports every failure and goes on
+                print(f"{name:32s} {'uniform' if uniform else 'random ':8s} RAISED {type(e).__name__}: {e}")
+                failures += 1
+                continue
+            ref64, ref16 = mc.reference_f64(case), mc.reference_bf16(case)
+            err, base = mc.errors(out, ref64), mc.errors(ref16, ref64)
+            ok = torch.isfinite(out).all().item() and err["max"] <= 2 * base["max"] + 1e-6 \
+                and err["fro"] <= 2 * base["fro"] + 1e-6
+            failures += not ok
+            print(f"{name:32s} {'uniform' if uniform else 'random ':8s} {'ok ' if ok else 'BAD'} kernel max "
+                  f"{err['max']:.2e} fro {err['fro']:.2e} | torch-bf16 max {base['max']:.2e} fro {base['fro']:.2e}")
+            if not ok:
+                print(localize(out.nan_to_num(1e3), ref64))
+    case = mc.make_case(33, 64, 8192, seed=1)
+    f = lambda: mla.tree_attention(case.q_lat, case.q_pe, case.latent, case.tree_mask, case.scale)  # noqa: E731
+    s = mc.time_graph([f])
+    flops, nbytes = mc.work(case)
+    print(f"quick timing T=33 P=8192: {s * 1e6:.1f} us, {flops / s / 1e12:.0f} TFLOP/s, "
+          f"{s / mc.floor_seconds(flops, nbytes):.2f}x floor")
+    print(f"check: {failures} failing rows")
+
+
+if __name__ == "__main__":
+    main()
