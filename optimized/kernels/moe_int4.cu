@@ -1,0 +1,234 @@
+// INT4 (W4A16) grouped expert GEMMs for Kimi K2.6-class MoE layers, tensor cores through mma.sync.
+//
+// Kernels
+//   moe_int4_gemm<NT, U, EPI>  one warp = one work item = (active expert, 16-row weight tile), full K.
+//       EPI 0 (gate+up): the tile holds 8 gate rows and the 8 up rows of the same intermediate channels, so
+//             SwiGLU happens in registers: h[pos, 8*tile + g] = bf16(silu(gate) * up).
+//       EPI 1 (down):    y[pos, 16*tile + row] = fp32 result (combined later, deterministically).
+//   moe_combine<OUT_BF16>  out[t, :] = sum_k w[t,k] * y[pos(t,k), :] (+ add[t, :]), fp32 sums, k ascending.
+//
+// Weight layout (made once at load by optimized/moe.py `repack`; see its docstring for the full story):
+//   words  uint4 [L, R, C, 32 lanes]   R = rows/16 tiles, C = Kp/64 chunks, one 16-byte load per lane
+//   scales u32   [L, R, C, 16]         bf16 pairs (row g, row g+8) of group 2c + t/2 at index 2g + t/2
+//   Word s of lane (g = lane/4, t = lane%4) holds the A fragment of k-step s of mma m16n8k16 with the k axis
+//   permuted inside each 64-chunk (physical k = 16t + 4s + j for fragment slot j) so that the same lane's B
+//   fragment is 16 consecutive activations (two 16-byte loads) and its scale is one group for the chunk.
+//   Nibble p of a word: row g + 8*(p&1), slot j = 2*((p>>1)&1) + (p>>2); value u = q + 8.
+//   Dequant: (w >> 4i) & 0x000F000F | 0x43004300 = bf16 pair (128+u), minus 136 = q exactly, times the bf16
+//   scale = bf16(q*s), the same rounding as the reference's q*s cast to bf16.  fp32 accumulation.
+//
+// Launch geometry: 256 threads (8 warps) per block, grid = SMs x resident blocks (capped by the work); each
+//   warp walks items w, w + warps, ...; items = n_active * R read from device memory (no host sync).  For T=1
+//   (8 experts) gate+up has 8*256 = 2048 items and down 8*448 = 3584 items: every SM gets ~15-27 warps.
+//   An expert with more than 8*NT tokens re-streams its tile for each further 8*NT tokens (L2-warm).
+//
+// Napkin math (K2.6: D 7168, F 2048, group 32): per expert gate+up 14.68 MB nibbles + 1.84 MB scales, down
+//   7.34 + 0.92 MB: 24.77 MB.  T=1 touches 8 experts = 198 MB -> 46.7 us at 4.24 TB/s; T=64 ~284 experts =
+//   7.0 GB -> 1.66 ms.  Flops 2*3*7168*2048 = 88 MFLOP per token-expert pair: 45 GFLOP at T=64 (~0.1 ms of
+//   mma.sync), so T <= ~1000 stays bandwidth-bound.  Per 512-byte chunk a warp issues ~64 ALU (LOP3, SHF,
+//   HSUB2, HMUL2) + 4*NT HMMA: ~27 us of issue at T=1 spread over 132 SMs, under the 47 us byte floor.
+//   Expected bound: HBM bandwidth.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {       // weights: read once, keep out of L1
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ u32 ld_stream32(const u32* p) {
+  u32 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint4 ld_act(const void* p) {           // activations: reused by the block's warps
+  uint4 v;
+  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+// (w >> 4i) nibble pair -> bf16x2 (q * s) with q = u - 8 exact, one rounding in the multiply.
+__device__ __forceinline__ u32 dequant2(u32 w, u32 scale2) {
+  u32 v, q, r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(v) : "r"(w), "r"(0x000F000Fu), "r"(0x43004300u));
+  asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(q) : "r"(v), "r"(0x43084308u));
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(q), "r"(scale2));
+  return r;
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u16 f2bf(float f) {
+  u16 h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+
+__device__ __forceinline__ float bf2f(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+// One 64-wide k chunk of one 16-row tile against NT n-tiles of 8 token columns.
+template <int NT>
+__device__ __forceinline__ void mma_chunk(float (&acc)[NT][4], uint4 w, u32 sc, const u16* const (&xrow)[NT],
+                                          int c) {
+  const u32 s_lo = __byte_perm(sc, 0, 0x1010);   // (s[g], s[g]) for rows g
+  const u32 s_hi = __byte_perm(sc, 0, 0x3232);   // (s[g+8], s[g+8]) for rows g+8
+  uint4 xa[NT], xb[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    if (xrow[j] != nullptr) {
+      const uint4* p = reinterpret_cast<const uint4*>(xrow[j] + c * 64);
+      xa[j] = ld_act(p);
+      xb[j] = ld_act(p + 1);
+    } else {
+      xa[j] = make_uint4(0u, 0u, 0u, 0u);
+      xb[j] = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+  const u32 wv[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const u32 q = wv[s];
+    const u32 a0 = dequant2(q, s_lo);          // row g,   k slots 0,1
+    const u32 a1 = dequant2(q >> 4, s_hi);     // row g+8, k slots 0,1
+    const u32 a2 = dequant2(q >> 8, s_lo);     // row g,   k slots 2,3
+    const u32 a3 = dequant2(q >> 12, s_hi);    // row g+8, k slots 2,3
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const u32 b0 = s == 0 ? xa[j].x : s == 1 ? xa[j].z : s == 2 ? xb[j].x : xb[j].z;
+      const u32 b1 = s == 0 ? xa[j].y : s == 1 ? xa[j].w : s == 2 ? xb[j].y : xb[j].w;
+      mma_bf16(acc[j], a0, a1, a2, a3, b0, b1);
+    }
+  }
+}
+
+template <int NT, int U, int EPI>
+__global__ void __launch_bounds__(256) moe_int4_gemm(
+    const uint4* __restrict__ wq,        // [L, R, C, 32]
+    const u32* __restrict__ ws,          // [L, R, C, 16]
+    const u16* __restrict__ act,         // bf16 input rows, row stride ld_act (= C*64) elements
+    int ld_act,
+    const int* __restrict__ row_of_pos,  // EPI 0: token of each sorted pair position; EPI 1: unused (row = pos)
+    const int* __restrict__ active,      // [3, max_active]: local expert, first position, count
+    int max_active,
+    const int* __restrict__ n_active,    // [1]
+    void* __restrict__ out, int ld_out,  // EPI 0: bf16 h [P, ld_out]; EPI 1: fp32 y [P, ld_out]
+    int R, int C) {
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int warps = gridDim.x * (blockDim.x >> 5);
+  const int n_items = n_active[0] * R;
+  for (int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); item < n_items; item += warps) {
+    const int a = item / R, r = item - a * R;
+    const int e = active[a], base = active[max_active + a], cnt = active[2 * max_active + a];
+    const size_t tile = (size_t)e * R + r;
+    const uint4* wt = wq + tile * C * 32 + lane;
+    const u32* st = ws + tile * C * 16 + (g * 2 + (t >> 1));
+    for (int n0 = 0; n0 < cnt; n0 += NT * 8) {
+      const u16* xrow[NT];
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const int n = n0 + j * 8 + g;
+        xrow[j] = nullptr;
+        if (n < cnt) {
+          const int row = EPI == 0 ? row_of_pos[base + n] : base + n;
+          xrow[j] = act + (size_t)row * ld_act + 16 * t;
+        }
+      }
+      float acc[NT][4];
+#pragma unroll
+      for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+
+      // Register double buffer: the next U chunks are in flight while this U are dequantized and multiplied.
+      uint4 cw[U];
+      u32 cs[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (u < C) { cw[u] = ld_stream(wt + (size_t)u * 32); cs[u] = ld_stream32(st + (size_t)u * 16); }
+        else { cw[u] = make_uint4(0u, 0u, 0u, 0u); cs[u] = 0u; }
+      }
+      for (int c0 = 0; c0 < C; c0 += U) {
+        uint4 nw[U];
+        u32 ns[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int c = c0 + U + u;
+          if (c < C) { nw[u] = ld_stream(wt + (size_t)c * 32); ns[u] = ld_stream32(st + (size_t)c * 16); }
+          else { nw[u] = make_uint4(0u, 0u, 0u, 0u); ns[u] = 0u; }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (c0 + u < C) mma_chunk<NT>(acc, cw[u], cs[u], xrow, c0 + u);
+#pragma unroll
+        for (int u = 0; u < U; ++u) { cw[u] = nw[u]; cs[u] = ns[u]; }
+      }
+
+      // C fragment: acc[j][0..1] = row g, columns 2t, 2t+1; acc[j][2..3] = row g+8, same columns.
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int n = n0 + j * 8 + 2 * t + half;
+          if (n >= cnt) continue;
+          if (EPI == 0) {
+            const float gate = acc[j][half], up = acc[j][2 + half];
+            const float h = gate / (1.f + __expf(-gate)) * up;
+            static_cast<u16*>(out)[(size_t)(base + n) * ld_out + r * 8 + g] = f2bf(h);
+          } else {
+            float* y = static_cast<float*>(out) + (size_t)(base + n) * ld_out + r * 16;
+            y[g] = acc[j][half];
+            y[g + 8] = acc[j][2 + half];
+          }
+        }
+      }
+    }
+  }
+}
+
+// out[t, d:d+4] = sum_k w[t,k] * y[pos[t,k], d:d+4] (+ add[t, d:d+4]); pos < 0 (expert not owned) skipped.
+template <int OUT_BF16>
+__global__ void __launch_bounds__(256) moe_combine(
+    const float* __restrict__ y, const int* __restrict__ pos_of_pair, const float* __restrict__ w,
+    const u16* __restrict__ add, int K, int D, void* __restrict__ out) {
+  const int tok = blockIdx.y;
+  const int d = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
+  if (d >= D) return;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int k = 0; k < K; ++k) {
+    const int p = pos_of_pair[tok * K + k];
+    if (p < 0) continue;
+    const float wk = w[tok * K + k];
+    const float4 v = *reinterpret_cast<const float4*>(y + (size_t)p * D + d);
+    acc.x += wk * v.x; acc.y += wk * v.y; acc.z += wk * v.z; acc.w += wk * v.w;
+  }
+  if (add != nullptr) {
+    const uint2 a = *reinterpret_cast<const uint2*>(add + (size_t)tok * D + d);
+    acc.x += bf2f((u16)(a.x & 0xFFFFu)); acc.y += bf2f((u16)(a.x >> 16));
+    acc.z += bf2f((u16)(a.y & 0xFFFFu)); acc.w += bf2f((u16)(a.y >> 16));
+  }
+  if (OUT_BF16) {
+    uint2 o;
+    o.x = (u32)f2bf(acc.x) | ((u32)f2bf(acc.y) << 16);
+    o.y = (u32)f2bf(acc.z) | ((u32)f2bf(acc.w) << 16);
+    *reinterpret_cast<uint2*>(static_cast<u16*>(out) + (size_t)tok * D + d) = o;
+  } else {
+    *reinterpret_cast<float4*>(static_cast<float*>(out) + (size_t)tok * D + d) = acc;
+  }
+}
+
+#ifdef MOE_NVCC_CHECK   // nvcc -cubin syntax/resource check of the variants optimized/moe.py instantiates
+#define GEMM(NT, U, EPI) template __global__ void moe_int4_gemm<NT, U, EPI>(const uint4*, const u32*, \
+    const u16*, int, const int*, const int*, int, const int*, void*, int, int, int);
+GEMM(1, 4, 0) GEMM(1, 4, 1) GEMM(1, 8, 0) GEMM(1, 8, 1) GEMM(2, 4, 0) GEMM(2, 4, 1)
+GEMM(4, 2, 0) GEMM(4, 2, 1)
+template __global__ void moe_combine<0>(const float*, const int*, const float*, const u16*, int, int, void*);
+template __global__ void moe_combine<1>(const float*, const int*, const float*, const u16*, int, int, void*);
+#endif

@@ -1,0 +1,185 @@
+// MoE routing (noaux_tc) and token -> expert grouping for the INT4 MoE path (optimized/moe.py).
+//
+// moe_route: one warp per token (grid T, block 32, shared 4*(2E + 2*n_group + K) bytes).
+//   scores = sigmoid(logits) (fp32); choice = scores + bias (selection only); with n_group > 1 keep the
+//   topk_group groups whose top-2 choice sum is highest (others -inf); K rounds of warp arg-max over choice
+//   (ties -> lowest expert id) give the ids in descending order, as torch.topk(sorted=True) does; weights are
+//   the unbiased scores, / (sum + 1e-20) when norm, times routed_scaling_factor.
+//   Napkin: T*E*4 bytes of logits (1.5 KB/token at E=384) and ~K*E/32 compares per lane: a few us, launch-bound.
+//
+// moe_group: one block of 1024 threads (shared 4*(3L + 32) bytes, L = local experts <= 4096).
+//   Counts pairs (t, k) per owned expert (global id -> local id through g2l, -1 = not owned), scans the counts
+//   into positions (experts in ascending local id, pairs of one expert contiguous), and writes
+//     pos_of_pair[t*K+k]  sorted position of the pair, -1 when its expert is not owned
+//     token_of_pos[pos]   token t of each position
+//     active[0|1|2][a]    local id, first position and count of the a-th used expert; n_active[0] = how many
+//   The order of pairs inside one expert follows shared-memory atomics (not fixed); every pair is computed
+//   independently downstream, so results do not depend on it.
+//   Napkin: P = T*K <= 8192 pairs, two passes: ~5 us, launch-bound.
+
+typedef unsigned int u32;
+
+#define NEG_INF __int_as_float(0xff800000)
+
+// Warp arg-max over (value, index): larger value wins, ties go to the smaller index.
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, off);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, off);
+    if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+  }
+}
+
+__global__ void __launch_bounds__(32) moe_route(
+    const float* __restrict__ logits,   // [T, E]
+    const float* __restrict__ bias,     // [E]
+    int E, int K, int n_group, int topk_group, int norm, float scale,
+    long long* __restrict__ idx_out,    // [T, K]
+    float* __restrict__ w_out) {        // [T, K]
+  extern __shared__ float sm[];
+  float* score = sm;                    // [E]
+  float* choice = sm + E;               // [E]
+  float* gscore = sm + 2 * E;           // [n_group]
+  float* gkeep = gscore + n_group;      // [n_group]
+  int* chosen = reinterpret_cast<int*>(gkeep + n_group);   // [K]
+  const int tok = blockIdx.x, lane = threadIdx.x;
+  const float* lg = logits + (size_t)tok * E;
+  for (int e = lane; e < E; e += 32) {
+    const float s = 1.f / (1.f + expf(-lg[e]));
+    score[e] = s;
+    choice[e] = s + bias[e];
+  }
+  __syncwarp();
+  if (n_group > 1) {
+    const int gsz = E / n_group;
+    for (int gi = 0; gi < n_group; ++gi) {
+      float m1 = NEG_INF, m2 = NEG_INF;          // top-2 of the group, duplicates counted twice
+      for (int e = lane; e < gsz; e += 32) {
+        const float v = choice[gi * gsz + e];
+        if (v > m1) { m2 = m1; m1 = v; } else if (v > m2) { m2 = v; }
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        const float o1 = __shfl_xor_sync(0xffffffffu, m1, off), o2 = __shfl_xor_sync(0xffffffffu, m2, off);
+        const float n2 = fmaxf(fminf(m1, o1), fmaxf(m2, o2));
+        m1 = fmaxf(m1, o1);
+        m2 = n2;
+      }
+      if (lane == 0) { gscore[gi] = m1 + m2; gkeep[gi] = 0.f; }
+    }
+    __syncwarp();
+    for (int r = 0; r < topk_group; ++r) {
+      float v = NEG_INF;
+      int i = 0x7fffffff;
+      for (int gi = lane; gi < n_group; gi += 32)
+        if (gkeep[gi] == 0.f && (gscore[gi] > v || (gscore[gi] == v && gi < i))) { v = gscore[gi]; i = gi; }
+      warp_argmax(v, i);
+      if (lane == 0 && i < n_group) gkeep[i] = 1.f;
+      __syncwarp();
+    }
+    for (int e = lane; e < E; e += 32)
+      if (gkeep[e / gsz] == 0.f) choice[e] = NEG_INF;
+    __syncwarp();
+  }
+  for (int k = 0; k < K; ++k) {
+    float v = NEG_INF;
+    int i = 0x7fffffff;
+    for (int e = lane; e < E; e += 32) {
+      const float c = choice[e];
+      if (c > v || (c == v && e < i)) { v = c; i = e; }
+    }
+    warp_argmax(v, i);
+    if (lane == 0) { chosen[k] = i; choice[i] = NEG_INF; }
+    __syncwarp();
+  }
+  if (lane == 0) {
+    float sum = 0.f;
+    for (int k = 0; k < K; ++k) sum += score[chosen[k]];
+    for (int k = 0; k < K; ++k) {
+      idx_out[(size_t)tok * K + k] = chosen[k];
+      w_out[(size_t)tok * K + k] = norm ? score[chosen[k]] / (sum + 1e-20f) * scale : score[chosen[k]] * scale;
+    }
+  }
+}
+
+// Exclusive block scan of one int per thread (1024 threads); returns the exclusive prefix, total in *total.
+__device__ __forceinline__ int block_scan(int v, int* wsum, int* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int x = v;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, off);
+    if (lane >= off) x += y;
+  }
+  if (lane == 31) wsum[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int s = wsum[lane];
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, s, off);
+      if (lane >= off) s += y;
+    }
+    wsum[lane] = s;                      // inclusive prefix of warp sums
+  }
+  __syncthreads();
+  const int before = (warp > 0 ? wsum[warp - 1] : 0) + x - v;
+  *total = wsum[31];
+  __syncthreads();                       // wsum is reused by the next scan
+  return before;
+}
+
+__global__ void __launch_bounds__(1024) moe_group(
+    const long long* __restrict__ idx,  // [P] global expert id of pair p = t*K + k
+    int P, int K,
+    const int* __restrict__ g2l,        // [E] local id or -1
+    int E, int L,
+    int* __restrict__ pos_of_pair,      // [P]
+    int* __restrict__ token_of_pos,     // [P]
+    int* __restrict__ active,           // [3, max_active]
+    int max_active,
+    int* __restrict__ n_active) {       // [1]
+  extern __shared__ int smi[];
+  int* cnt = smi;                       // [L]
+  int* off = smi + L;                   // [L]
+  int* rnk = smi + 2 * L;               // [L]
+  int* wsum = smi + 3 * L;              // [32]
+  const int tid = threadIdx.x;
+  for (int e = tid; e < L; e += blockDim.x) cnt[e] = 0;
+  __syncthreads();
+  for (int p = tid; p < P; p += blockDim.x) {
+    const long long ge = idx[p];
+    const int le = (ge >= 0 && ge < E) ? g2l[ge] : -1;
+    pos_of_pair[p] = le >= 0 ? atomicAdd(&cnt[le], 1) : -1;     // slot inside the expert, for now
+  }
+  __syncthreads();
+  const int per = (L + blockDim.x - 1) / blockDim.x;
+  const int lo = min(tid * per, L), hi = min(lo + per, L);
+  int sc = 0, sf = 0;
+  for (int e = lo; e < hi; ++e) { sc += cnt[e]; sf += cnt[e] > 0; }
+  int total_c, total_f;
+  int run_c = block_scan(sc, wsum, &total_c);
+  int run_f = block_scan(sf, wsum, &total_f);
+  for (int e = lo; e < hi; ++e) {
+    off[e] = run_c; rnk[e] = run_f;
+    run_c += cnt[e]; run_f += cnt[e] > 0;
+  }
+  if (tid == 0) n_active[0] = total_f;
+  __syncthreads();
+  for (int e = tid; e < L; e += blockDim.x) {
+    if (cnt[e] > 0) {
+      const int a = rnk[e];
+      active[a] = e;
+      active[max_active + a] = off[e];
+      active[2 * max_active + a] = cnt[e];
+    }
+  }
+  for (int p = tid; p < P; p += blockDim.x) {
+    const int slot = pos_of_pair[p];
+    if (slot < 0) continue;
+    const int pos = off[g2l[idx[p]]] + slot;
+    pos_of_pair[p] = pos;
+    token_of_pos[pos] = p / K;
+  }
+}

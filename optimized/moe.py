@@ -1,0 +1,451 @@
+"""INT4 (W4A16) MoE for Kimi K2.6-class layers: CuPy RawKernels (optimized/kernels/moe_*.cu) over a layout
+repacked once at load. Replaces reference.target.MoE.forward and its parts, with the same semantics.
+
+Legend: T tokens, D hidden, F expert intermediate, E routed experts (global), L experts held here,
+K experts per token, P = T*K token-expert pairs, A = min(L, P) slots for active experts, G quant group,
+Dp / Fp = D / F rounded up to 64, R = rows / 16 (weight tiles), C = Dp / 64 or Fp / 64 (k chunks).
+
+Stages (each a function below; no host synchronisation anywhere, so the whole layer can be graph-captured):
+  router        logits = x.float() @ W_r.float().T (cuBLAS fp32, as the reference), then `route` (kernel)
+  group_tokens  pairs sorted by expert + the active-expert table (moe_group)
+  gate_up       fused dequant GEMM of gate and up with SwiGLU -> h [P, Fp] bf16 (moe_int4_gemm EPI 0)
+  down          dequant GEMM -> y [P, D] fp32 (moe_int4_gemm EPI 1)
+  combine       out[t] = sum_k w[t,k] y[pos(t,k)] (+ shared expert), fp32 sums (moe_combine)
+  moe_forward   all of them + the shared expert through torch (cuBLAS, bf16)
+Expert parallel: MoEWeights may hold any subset of the experts (`global_to_local`); pairs routed elsewhere are
+skipped and `moe_forward(..., partial=True)` returns this rank's fp32 partial sum for the all-reduce.
+
+Weight layout (`repack`; `unrepack` inverts it bit for bit). Per expert and matrix W [N, K] (N out, K in),
+K padded to Kp = 64*C with q = 0, scale 0:
+  words  int32 [N/16, C, 32, 4]      tile r, k chunk c, lane l = 4g + t, word s (k-step s of mma m16n8k16)
+  scales bf16  [N/16, C, 8, 2, 2]    [r, c, g, gh, rh] = scale of row 16r + 8rh + g, group 2c + gh
+Inside a chunk, fragment slot j (0..3) of k-step s for lane t reads physical column k = 64c + 16t + 4s + j,
+so a lane's 16 activations per chunk are contiguous (two 16-byte loads) and lie in one group (gh = t // 2).
+Nibble p of a word (u = q + 8) is row 16r + g + 8*(p & 1), slot j = 2*((p >> 1) & 1) + (p >> 2): the kernel
+takes nibble pairs (i, i+4) with one LOP3 into the bf16x2 register the mma A operand wants.
+gate and up are interleaved by tile: rows 0-7 of tile r are gate rows 8r..8r+7, rows 8-15 the up rows of the
+same channels, so SwiGLU happens in registers. Group sizes that are multiples of 32 are stored per 32.
+All experts of a rank are stacked: w13 [L, F/8, Dp/64, 32, 4], s13 [L, F/8, Dp/64, 8, 2, 2],
+w2 [L, D/16, Fp/64, 32, 4], s2 [L, D/16, Fp/64, 8, 2, 2].
+
+Launch arguments are raw device pointers (`data_ptr`, the address `__cuda_array_interface__` exposes: zero
+copy) on torch's current stream; building CuPy views per call would cost microseconds per tensor.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from reference.int4 import pack_int4
+
+__all__ = ["MoEWeights", "Grouping", "compile_target", "repack", "unrepack", "pack_experts", "load_moe_weights", "route", "router",
+           "group_tokens", "gate_up", "down", "combine", "moe_routed", "shared_expert", "moe_forward"]
+
+_KERNELS = Path(__file__).resolve().parent / "kernels"
+GEMM_VARIANTS = ((1, 4), (1, 8), (2, 4), (4, 2))          # (NT n-tiles of 8 tokens, U chunks in flight)
+DEFAULT_U = {1: 8, 2: 4, 4: 2}
+_WARPS = 8
+
+
+def _pad64(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+# ---- layout --------------------------------------------------------------------------------------------------
+
+def _nibbles(packed: torch.Tensor, scale: torch.Tensor, n: int, k: int, group_size: int, what: str):
+    """compressed-tensors (int32 [N, K/8], bf16 [N, K/G]) -> nibbles uint8 [N, Kp], per-32 scales [N, Kp/32]."""
+    if group_size % 32:
+        raise ValueError(f"{what}: group_size {group_size} unsupported; the INT4 MoE kernels need a multiple of 32 "
+                         "(Kimi K2.6 uses 32)")
+    if k % group_size or n % 16:
+        raise ValueError(f"{what}: shape [{n}, {k}] unsupported; need rows % 16 == 0 and in_features % group_size "
+                         f"({group_size}) == 0")
+    if packed.dtype != torch.int32 or tuple(packed.shape) != (n, k // 8):
+        raise ValueError(f"{what}: weight_packed must be int32 [{n}, {k // 8}] (compressed-tensors pack-quantized), "
+                         f"got {packed.dtype} {tuple(packed.shape)}")
+    if scale.dtype != torch.bfloat16 or tuple(scale.shape) != (n, k // group_size):
+        raise ValueError(f"{what}: weight_scale must be bfloat16 [{n}, {k // group_size}] (the kernels form "
+                         f"bf16(q * s) like the reference), got {scale.dtype} {tuple(scale.shape)}")
+    kp = _pad64(k)
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    u = ((packed.unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8).reshape(n, k)
+    sc = scale.repeat_interleave(group_size // 32, dim=1) if group_size > 32 else scale
+    if kp != k:
+        u = torch.cat([u, torch.full((n, kp - k), 8, dtype=torch.uint8, device=u.device)], 1)
+        sc = torch.cat([sc, torch.zeros(n, (kp - k) // 32, dtype=sc.dtype, device=sc.device)], 1)
+    return u, sc
+
+
+def _tiles(u: torch.Tensor, sc: torch.Tensor):
+    """nibbles [N, Kp] + scales [N, Kp/32] (rows in tile order) -> words int32 [R, C, 32, 4], bf16 [R, C, 8, 2, 2]."""
+    n, kp = u.shape
+    r, c = n // 16, kp // 64
+    v = u.view(r, 2, 8, c, 4, 4, 2, 2).permute(0, 3, 2, 4, 5, 7, 6, 1)     # [R, C, g, t, s, jb0, jb1, rh]
+    v = v.reshape(r, c, 32, 4, 8).to(torch.int64) << (4 * torch.arange(8, device=u.device))
+    words = v.sum(-1)
+    words = (words - ((words >> 31) << 32)).to(torch.int32)                  # unsigned 32-bit -> int32 view
+    s = sc.reshape(r, 2, 8, c, 2).permute(0, 3, 2, 4, 1).contiguous()        # [R, C, g, gh, rh]
+    return words, s
+
+
+def _untiles(words: torch.Tensor, s: torch.Tensor):
+    r, c = words.shape[:2]
+    shifts = 4 * torch.arange(8, device=words.device, dtype=torch.int32)
+    nib = ((words.unsqueeze(-1) >> shifts) & 0xF).view(r, c, 8, 4, 4, 2, 2, 2)
+    u = nib.permute(0, 7, 2, 1, 3, 4, 6, 5).reshape(r * 16, c * 64)          # back to [R, rh, g, C, t, s, jb1, jb0]
+    sc = s.permute(0, 4, 2, 1, 3).reshape(r * 16, c * 2)
+    return u, sc
+
+
+def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """[F, X] x2 -> [2F, X]: tile r = 8 gate rows then the 8 up rows of the same channels."""
+    f = gate.shape[0]
+    return torch.stack((gate.reshape(f // 8, 8, -1), up.reshape(f // 8, 8, -1)), 1).reshape(2 * f, -1)
+
+
+def repack(gate, up, down, group_size: int):
+    """One expert's (weight_packed, weight_scale) pairs, compressed-tensors layout -> (w13, s13, w2, s2)."""
+    f, d = gate[0].shape[0], gate[0].shape[1] * 8
+    ug, sg = _nibbles(*gate, f, d, group_size, "gate_proj")
+    uu, su = _nibbles(*up, f, d, group_size, "up_proj")
+    ud, sd = _nibbles(*down, d, f, group_size, "down_proj")
+    if f % 16:
+        raise ValueError(f"moe_intermediate_size {f} unsupported: need a multiple of 16")
+    w13, s13 = _tiles(_interleave(ug, uu), _interleave(sg, su))
+    w2, s2 = _tiles(ud, sd)
+    return w13, s13, w2, s2
+
+
+def unrepack(w13, s13, w2, s2, hidden: int, intermediate: int, group_size: int):
+    """Inverse of `repack`: -> gate, up, down as (weight_packed int32, weight_scale bf16)."""
+    gs, f = group_size // 32, intermediate
+
+    def ct(u, sc, k):                      # rows in order -> compressed-tensors, first k columns
+        return pack_int4(u[:, :k].to(torch.int16) - 8), sc[:, : k // 32 : gs].contiguous()
+    u13, sc13 = _untiles(w13, s13)
+    u13, sc13 = u13.view(f // 8, 2, 8, -1), sc13.view(f // 8, 2, 8, -1)
+    gate = ct(u13[:, 0].reshape(f, -1), sc13[:, 0].reshape(f, -1), hidden)
+    up = ct(u13[:, 1].reshape(f, -1), sc13[:, 1].reshape(f, -1), hidden)
+    return gate, up, ct(*_untiles(w2, s2), intermediate)
+
+
+# ---- weights -------------------------------------------------------------------------------------------------
+
+@dataclass
+class MoEWeights:
+    """One MoE layer's weights as the kernels read them (all on one CUDA device, or CPU for layout tests)."""
+    w13: torch.Tensor                 # int32 [L, F/8, Dp/64, 32, 4]
+    s13: torch.Tensor                 # bf16  [L, F/8, Dp/64, 8, 2, 2]
+    w2: torch.Tensor                  # int32 [L, D/16, Fp/64, 32, 4]
+    s2: torch.Tensor                  # bf16  [L, D/16, Fp/64, 8, 2, 2]
+    hidden: int                       # D
+    intermediate: int                 # F
+    group_size: int
+    global_to_local: torch.Tensor     # int32 [E]: local index of each global expert, -1 where not held
+    router_weight: Optional[torch.Tensor] = None    # fp32 [E, D]
+    router_bias: Optional[torch.Tensor] = None      # fp32 [E] (e_score_correction_bias)
+    shared: Optional[tuple] = None                  # bf16 (gate [Fs, D], up [Fs, D], down [D, Fs])
+
+    @property
+    def local_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def n_experts(self) -> int:
+        return self.global_to_local.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.w13.device
+
+
+def pack_experts(experts: Sequence, hidden: int, intermediate: int, group_size: int, device=None,
+                 expert_ids: Optional[Sequence[int]] = None, n_experts: Optional[int] = None, **extra) -> MoEWeights:
+    """experts: per held expert a (gate, up, down) of (weight_packed, weight_scale). Repacks one expert at a time
+    on its own device, then moves it to `device`. expert_ids: their global ids (default 0..L-1)."""
+    ids = list(range(len(experts))) if expert_ids is None else [int(e) for e in expert_ids]
+    n_experts = n_experts or (max(ids) + 1 if ids else 0)
+    if len(ids) != len(experts) or len(set(ids)) != len(ids) or any(not 0 <= e < n_experts for e in ids):
+        raise ValueError(f"pack_experts: expert_ids {ids[:8]}... must be distinct ids in [0, {n_experts})")
+    dp, fp = _pad64(hidden), _pad64(intermediate)
+    device = torch.device(device) if device is not None else experts[0][0][0].device
+    out = dict(w13=torch.empty(len(ids), intermediate // 8, dp // 64, 32, 4, dtype=torch.int32, device=device),
+               s13=torch.empty(len(ids), intermediate // 8, dp // 64, 8, 2, 2, dtype=torch.bfloat16, device=device),
+               w2=torch.empty(len(ids), hidden // 16, fp // 64, 32, 4, dtype=torch.int32, device=device),
+               s2=torch.empty(len(ids), hidden // 16, fp // 64, 8, 2, 2, dtype=torch.bfloat16, device=device))
+    for i, (gate, up, dn) in enumerate(experts):
+        if gate[0].shape[1] * 8 != hidden or gate[0].shape[0] != intermediate:
+            raise ValueError(f"expert {ids[i]}: gate_proj packs [{gate[0].shape[0]}, {gate[0].shape[1] * 8}], "
+                             f"expected [{intermediate}, {hidden}]")
+        for name, t in zip(("w13", "s13", "w2", "s2"), repack(gate, up, dn, group_size)):
+            out[name][i].copy_(t)
+    g2l = torch.full((n_experts,), -1, dtype=torch.int32)
+    g2l[ids] = torch.arange(len(ids), dtype=torch.int32)
+    return MoEWeights(**out, hidden=hidden, intermediate=intermediate, group_size=group_size,
+                      global_to_local=g2l.to(device), **extra)
+
+
+def load_moe_weights(moe, cfg, experts: Optional[Sequence[int]] = None, device="cuda",
+                     with_shared: bool = True) -> MoEWeights:
+    """From a reference `MoE` module: the routed experts `experts` (default all; a rank's share for expert
+    parallelism), the router, and the shared expert in bf16 (with_shared=False on ranks that skip it)."""
+    if cfg.quantization_config is None:
+        raise ValueError("load_moe_weights: the routed experts are not INT4 (config has no quantization_config)")
+    if cfg.scoring_func != "sigmoid" or cfg.topk_method != "noaux_tc":
+        raise ValueError(f"load_moe_weights: scoring_func {cfg.scoring_func!r} / topk_method {cfg.topk_method!r} "
+                         "unsupported (only sigmoid + noaux_tc, as Kimi K2)")
+    ids = list(range(cfg.n_routed_experts)) if experts is None else sorted({int(e) for e in experts})
+    triples = [tuple((m.weight_packed, m.weight_scale) for m in (moe.experts[e].gate_proj, moe.experts[e].up_proj,
+                                                                  moe.experts[e].down_proj)) for e in ids]
+    shared = None
+    if with_shared and moe.shared_experts is not None:
+        s = moe.shared_experts
+        shared = tuple(lin.weight.detach().to(device, torch.bfloat16).contiguous()
+                       for lin in (s.gate_proj, s.up_proj, s.down_proj))
+    return pack_experts(triples, cfg.hidden_size, cfg.moe_intermediate_size, cfg.quantization_config.group_size,
+                        device, expert_ids=ids, n_experts=cfg.n_routed_experts,
+                        router_weight=moe.gate.weight.detach().to(device, torch.float32).contiguous(),
+                        router_bias=moe.gate.e_score_correction_bias.detach().to(device, torch.float32).contiguous(),
+                        shared=shared)
+
+
+# ---- kernels -------------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _kernels(device_index: int):
+    """Compile (once per device; CuPy caches the cubin on disk) and return (functions, SM count, warps/SM)."""
+    try:
+        import cupy
+    except ImportError as e:
+        raise RuntimeError("optimized.moe needs CuPy (pip install cupy-cuda13x) and a CUDA GPU") from e
+    # CuPy appends -arch=sm_<major><minor> of the current device itself (NVRTC -> cubin; a second -arch is an
+    # NVRTC invalid-option error), so sm_90 on H200 and sm_120 on RTX PRO 6000: mma.sync only, no wgmma.
+    options = ("-std=c++17",)
+    gemm = [f"moe_int4_gemm<{nt},{u},{epi}>" for nt, u in GEMM_VARIANTS for epi in (0, 1)]
+    comb = ["moe_combine<0>", "moe_combine<1>"]
+    with cupy.cuda.Device(device_index):
+        m1 = cupy.RawModule(code=(_KERNELS / "moe_int4.cu").read_text(), options=options,
+                            name_expressions=gemm + comb)
+        m2 = cupy.RawModule(code=(_KERNELS / "moe_route.cu").read_text(), options=options)
+        fns = {n: m1.get_function(n) for n in gemm + comb}
+        fns.update({n: m2.get_function(n) for n in ("moe_route", "moe_group")})
+    props = torch.cuda.get_device_properties(device_index)
+    return fns, props.multi_processor_count, props.max_threads_per_multi_processor // 32
+
+
+def compile_target(device_index: int = 0) -> str:
+    """The NVRTC target CuPy builds these kernels for on that device, e.g. '-arch=sm_90 (cubin)' (provenance;
+    reads a CuPy-internal helper, so 'unknown' where that moved)."""
+    import cupy
+    try:
+        from cupy.cuda import compiler
+        with cupy.cuda.Device(device_index):
+            arch, method = compiler._get_arch_for_options_for_nvrtc()
+        return f"{arch} ({method})"
+    except Exception:                                   # noqa: BLE001 - provenance only
+        return "unknown"
+
+
+_STREAMS: dict = {}
+
+
+def _launch(name: str, device: torch.device, grid, block, args, shared_mem: int = 0):
+    import cupy
+    fns = _kernels(device.index)[0]
+    ptr = torch.cuda.current_stream(device).cuda_stream
+    stream = _STREAMS.get(ptr)
+    if stream is None:
+        stream = _STREAMS.setdefault(ptr, cupy.cuda.ExternalStream(ptr, device.index))
+    with cupy.cuda.Device(device.index), stream:
+        fns[name](grid, block, args, shared_mem=shared_mem)
+
+
+def _p(t: Optional[torch.Tensor]):
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def _need_cuda(what: str, *tensors):
+    for t in tensors:
+        if not (isinstance(t, torch.Tensor) and t.is_cuda):
+            raise ValueError(f"{what}: needs CUDA tensors (the INT4 MoE kernels have no CPU path; use "
+                             "reference.target.MoE on CPU), got "
+                             f"{t.device if isinstance(t, torch.Tensor) else type(t).__name__}")
+
+
+# ---- stages --------------------------------------------------------------------------------------------------
+
+def route(router_logits: torch.Tensor, bias: torch.Tensor, cfg):
+    """reference.target.route on the GPU: fp32 logits [T, E] -> (expert ids int64 [T, K], weights fp32 [T, K]),
+    ids in descending order of the biased score (torch.topk order); ties go to the lower id."""
+    _need_cuda("route", router_logits, bias)
+    t, e = router_logits.shape
+    k, ng = cfg.num_experts_per_tok, max(1, cfg.n_group)
+    if router_logits.dtype != torch.float32 or bias.dtype != torch.float32 or bias.shape != (e,):
+        raise ValueError(f"route: need float32 logits [T, E] and float32 bias [E], got {router_logits.dtype} "
+                         f"{tuple(router_logits.shape)} and {bias.dtype} {tuple(bias.shape)}")
+    if e != cfg.n_routed_experts or e % ng or not 0 < k <= e or not 0 < cfg.topk_group <= ng:
+        raise ValueError(f"route: E={e}, n_routed_experts={cfg.n_routed_experts}, n_group={ng}, "
+                         f"topk_group={cfg.topk_group}, K={k} inconsistent")
+    idx = torch.empty(t, k, dtype=torch.int64, device=router_logits.device)
+    w = torch.empty(t, k, dtype=torch.float32, device=router_logits.device)
+    smem = 4 * (2 * e + 2 * ng + k)
+    if smem > 48 * 1024:
+        raise ValueError(f"route: {e} experts need {smem} B of shared memory per token (> 48 KB)")
+    if t:
+        _launch("moe_route", router_logits.device, (t,), (32,),
+                (_p(router_logits.contiguous()), _p(bias.contiguous()), np.int32(e), np.int32(k), np.int32(ng),
+                 np.int32(cfg.topk_group if ng > 1 else 1), np.int32(bool(cfg.norm_topk_prob)),
+                 np.float32(cfg.routed_scaling_factor), _p(idx), _p(w)), smem)
+    return idx, w
+
+
+def router(x: torch.Tensor, weights: MoEWeights, cfg):
+    """The router GEMM in fp32 (cuBLAS; TF32 off unless the caller turned it on), then `route`."""
+    if weights.router_weight is None:
+        raise ValueError("router: these MoEWeights carry no router (load them with load_moe_weights)")
+    return route(F.linear(x.float(), weights.router_weight), weights.router_bias, cfg)
+
+
+@dataclass
+class Grouping:
+    """Token-expert pairs sorted by local expert. Sizes are host-known upper bounds; counts live on the device."""
+    pos_of_pair: torch.Tensor     # int32 [T*K]: sorted position of pair t*K+k, -1 where the expert is not held
+    token_of_pos: torch.Tensor    # int32 [T*K]: token of each sorted position (valid below the owned count)
+    active: torch.Tensor          # int32 [3, A]: local expert id, first position, count (first n_active used)
+    n_active: torch.Tensor        # int32 [1]
+    tokens: int
+    top_k: int
+
+
+def group_tokens(idx: torch.Tensor, weights: MoEWeights) -> Grouping:
+    _need_cuda("group_tokens", idx)
+    if idx.dtype != torch.int64 or idx.dim() != 2:
+        raise ValueError(f"group_tokens: need expert ids int64 [T, K], got {idx.dtype} {tuple(idx.shape)}")
+    t, k = idx.shape
+    p, L = t * k, weights.local_experts
+    a = max(1, min(L, p))
+    if L > 4096:
+        raise ValueError(f"group_tokens: {L} local experts > 4096 (shared-memory table)")
+    buf = torch.empty(2 * p + 3 * a + 1, dtype=torch.int32, device=idx.device)
+    g = Grouping(buf[:p], buf[p:2 * p], buf[2 * p:2 * p + 3 * a].view(3, a), buf[2 * p + 3 * a:], t, k)
+    _launch("moe_group", idx.device, (1,), (1024,),
+            (_p(idx.contiguous()), np.int32(p), np.int32(k), _p(weights.global_to_local), np.int32(weights.n_experts),
+             np.int32(L), _p(g.pos_of_pair), _p(g.token_of_pos), _p(g.active), np.int32(a), _p(g.n_active)),
+            4 * (3 * L + 32))
+    return g
+
+
+def _pick_nt(tokens: int, top_k: int, n_experts: int) -> int:
+    """n-tiles per pass: enough for the likely largest expert (mean + 3 sigma of uniform routing), at most T."""
+    m = tokens * top_k / max(1, n_experts)
+    need = min(tokens, m + 3 * math.sqrt(m) + 1)
+    return 1 if need <= 8 else 2 if need <= 16 else 4
+
+
+def _run_gemm(epi: int, act: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, g: Grouping, out: torch.Tensor,
+              n_experts: int, nt: Optional[int], u: Optional[int]):
+    nt = nt or _pick_nt(g.tokens, g.top_k, n_experts)
+    u = u or DEFAULT_U[nt]
+    if (nt, u) not in GEMM_VARIANTS:
+        raise ValueError(f"moe gemm: variant NT={nt}, U={u} not compiled; choose from {GEMM_VARIANTS}")
+    name = f"moe_int4_gemm<{nt},{u},{epi}>"
+    fns, n_sm, warps_per_sm = _kernels(act.device.index)
+    regs = fns[name].num_regs
+    per_warp = -(-regs * 32 // 256) * 256
+    blocks_per_sm = max(1, min(warps_per_sm, 65536 // per_warp) // _WARPS)
+    r, c = wq.shape[1], wq.shape[2]
+    a = g.active.shape[1]
+    grid = max(1, min(n_sm * blocks_per_sm, -(-a * r // _WARPS)))
+    _launch(name, act.device, (grid,), (32 * _WARPS,),
+            (_p(wq), _p(ws), _p(act), np.int32(act.shape[1]), _p(g.token_of_pos if epi == 0 else None),
+             _p(g.active), np.int32(a), _p(g.n_active), _p(out), np.int32(out.shape[1]), np.int32(r), np.int32(c)))
+
+
+def gate_up(x: torch.Tensor, weights: MoEWeights, grouping: Grouping, nt=None, u=None) -> torch.Tensor:
+    """h [P, Fp] bf16 = silu(x W_gate^T) * (x W_up^T) for every sorted pair (rows past the owned count unset;
+    columns past F zero)."""
+    xp = _check_x(x, weights)
+    f, fp = weights.intermediate, _pad64(weights.intermediate)
+    p = grouping.tokens * grouping.top_k
+    h = (torch.empty if fp == f else torch.zeros)(p, fp, dtype=torch.bfloat16, device=x.device)
+    _run_gemm(0, xp, weights.w13, weights.s13, grouping, h, weights.n_experts, nt, u)
+    return h
+
+
+def down(h: torch.Tensor, weights: MoEWeights, grouping: Grouping, nt=None, u=None) -> torch.Tensor:
+    """y [P, D] fp32 = h W_down^T per sorted pair."""
+    y = torch.empty(h.shape[0], weights.hidden, dtype=torch.float32, device=h.device)
+    _run_gemm(1, h, weights.w2, weights.s2, grouping, y, weights.n_experts, nt, u)
+    return y
+
+
+def combine(y: torch.Tensor, grouping: Grouping, w: torch.Tensor, add: Optional[torch.Tensor] = None,
+            out_dtype=torch.bfloat16, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """out [T, D] = sum_k w[t,k] y[pos(t,k)] (+ add, bf16 [T, D]) in fp32, written as out_dtype (bf16 or fp32)."""
+    t, k, d = grouping.tokens, grouping.top_k, y.shape[1]
+    if w.dtype != torch.float32 or tuple(w.shape) != (t, k):
+        raise ValueError(f"combine: weights must be float32 [{t}, {k}], got {w.dtype} {tuple(w.shape)}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"combine: out_dtype {out_dtype} unsupported (bfloat16 or float32)")
+    if add is not None and (add.dtype != torch.bfloat16 or tuple(add.shape) != (t, d)):
+        raise ValueError(f"combine: add must be bfloat16 [{t}, {d}], got {add.dtype} {tuple(add.shape)}")
+    out = torch.empty(t, d, dtype=out_dtype, device=y.device) if out is None else out
+    if out.dtype != out_dtype or tuple(out.shape) != (t, d) or not out.is_contiguous():
+        raise ValueError(f"combine: out must be contiguous {out_dtype} [{t}, {d}]")
+    _launch(f"moe_combine<{int(out_dtype == torch.bfloat16)}>", y.device, (-(-d // 1024), t), (256,),
+            (_p(y), _p(grouping.pos_of_pair), _p(w.contiguous()), _p(None if add is None else add.contiguous()),
+             np.int32(k), np.int32(d), _p(out)))
+    return out
+
+
+def _check_x(x: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
+    """x bf16 [T, D] on the weights' device -> contiguous, padded to Dp columns."""
+    _need_cuda("moe", x, weights.w13)
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != weights.hidden:
+        raise ValueError(f"moe: need activations bfloat16 [T, {weights.hidden}], got {x.dtype} {tuple(x.shape)} "
+                         "(the INT4 kernels are W4A16 with bf16 activations)")
+    if x.device != weights.device:
+        raise ValueError(f"moe: activations on {x.device}, weights on {weights.device}")
+    dp = _pad64(weights.hidden)
+    xp = F.pad(x, (0, dp - weights.hidden)) if dp != weights.hidden else x.contiguous()
+    return xp if xp.data_ptr() % 16 == 0 else xp.clone()          # the kernels read 16-byte vectors
+
+
+def moe_routed(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, weights: MoEWeights,
+               add: Optional[torch.Tensor] = None, out_dtype=torch.bfloat16, out=None, nt=None, u=None):
+    """sum_k w[t,k] expert_{idx[t,k]}(x[t]) over the experts held in `weights` (+ add): [T, D]."""
+    _check_x(x, weights)
+    if idx.shape != w.shape or idx.shape[0] != x.shape[0]:
+        raise ValueError(f"moe_routed: idx {tuple(idx.shape)} / w {tuple(w.shape)} do not match x {tuple(x.shape)}")
+    g = group_tokens(idx, weights)
+    h = gate_up(x, weights, g, nt, u)
+    y = down(h, weights, g, nt, u)
+    return combine(y, g, w, add, out_dtype, out)
+
+
+def shared_expert(x: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
+    gate, up, dn = weights.shared
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), dn)
+
+
+def moe_forward(x: torch.Tensor, weights: MoEWeights, cfg, *, partial: bool = False, with_shared: bool = True,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """reference MoE.forward for bf16 x [T, D]: route, held routed experts, + shared expert (when held and
+    with_shared). partial=True returns the fp32 partial sum for an expert-parallel all-reduce."""
+    _check_x(x, weights)
+    if cfg.hidden_size != weights.hidden or cfg.moe_intermediate_size != weights.intermediate \
+            or cfg.n_routed_experts != weights.n_experts:
+        raise ValueError("moe_forward: cfg (hidden_size, moe_intermediate_size, n_routed_experts) = "
+                         f"({cfg.hidden_size}, {cfg.moe_intermediate_size}, {cfg.n_routed_experts}) does not match "
+                         f"the weights ({weights.hidden}, {weights.intermediate}, {weights.n_experts})")
+    idx, w = router(x, weights, cfg)
+    add = shared_expert(x, weights) if with_shared and weights.shared is not None else None
+    return moe_routed(x, idx, w, weights, add, torch.float32 if partial else torch.bfloat16, out)
