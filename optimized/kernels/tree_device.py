@@ -1,0 +1,137 @@
+"""Device helpers shared by the tree kernels: warp primitives with simulator twins, block scan, the grid
+log-prob of reference/tree.py, and the sortable key of an fp32 value.
+
+The CUDA simulator (NUMBA_ENABLE_CUDASIM=1) has no warp intrinsics and no libdevice, so each primitive that
+needs them has a twin chosen at import: the simulator twin emulates the same lane semantics through shared
+memory and block barriers (every thread of the block must call it, which the callers here always do), with
+a warp of WARP = 4 lanes so that a 16-thread block already exercises the two-level logic of `block_scan`.
+"""
+import math
+
+import numpy as np
+from numba import config, cuda
+
+from .. import _numba_compat  # noqa: F401  (first: numpy.row_stack shim)
+
+SIM = bool(config.ENABLE_CUDASIM)
+WARP = 4 if SIM else 32
+TBUF = WARP * WARP if SIM else 1     # scratch of the simulator twins: one slot per thread
+FULL_MASK = 0xFFFFFFFF
+
+LP_GRID_INV = 268435456.0           # 2^28
+LP_GRID = 1.0 / 268435456.0         # 2^-28
+LP_FLOOR = -2097152.0               # -2^21
+RINT_MAGIC = 6755399441055744.0     # 1.5 * 2^52: (v + M) - M rounds half-even for |v| < 2^51
+
+if SIM:
+    @cuda.jit(device=True)
+    def shfl_up(x, off, buf):
+        """Value of lane - off (own value on lanes < off). buf: int64[blockDim] scratch (simulator only)."""
+        tid = cuda.threadIdx.x
+        cuda.syncthreads()
+        buf[tid] = x
+        cuda.syncthreads()
+        y = buf[tid - off] if tid % WARP >= off else x
+        cuda.syncthreads()
+        return y
+
+    @cuda.jit(device=True)
+    def shfl_idx(x, src, buf):
+        """Value of lane `src` of this warp."""
+        tid = cuda.threadIdx.x
+        cuda.syncthreads()
+        buf[tid] = x
+        cuda.syncthreads()
+        y = buf[tid - tid % WARP + src]
+        cuda.syncthreads()
+        return y
+
+    @cuda.jit(device=True)
+    def f32_bits(x):
+        """The int32 bit pattern of an fp32 value."""
+        return np.int64(np.array([x], dtype=np.float32).view(np.int32)[0])
+else:
+    @cuda.jit(device=True, inline=True)
+    def shfl_up(x, off, buf):
+        return cuda.shfl_up_sync(FULL_MASK, x, off)
+
+    @cuda.jit(device=True, inline=True)
+    def shfl_idx(x, src, buf):
+        return cuda.shfl_sync(FULL_MASK, x, src)
+
+    @cuda.jit(device=True, inline=True)
+    def f32_bits(x):
+        return np.int64(cuda.libdevice.float_as_int(x))
+
+
+@cuda.jit(device=True)
+def block_scan(val, tmp, buf):
+    """Exclusive prefix sum of one int64 per thread over the block, and the block total.
+
+    Every thread calls it. blockDim.x must be a multiple of WARP and at most WARP * WARP.
+    tmp: shared int64[WARP]; buf: shared int64[blockDim] (used by the simulator twins only).
+    """
+    tid = cuda.threadIdx.x
+    lane = tid % WARP
+    warp = tid // WARP
+    nwarps = cuda.blockDim.x // WARP
+    x = np.int64(val)
+    off = 1
+    while off < WARP:                            # inclusive scan inside the warp
+        y = shfl_up(x, off, buf)
+        if lane >= off:
+            x += y
+        off *= 2
+    if lane == WARP - 1:
+        tmp[warp] = x
+    cuda.syncthreads()
+    t = tmp[lane] if lane < nwarps else np.int64(0)
+    off = 1
+    while off < WARP:                            # every warp scans the warp totals (no extra barrier)
+        y = shfl_up(t, off, buf)
+        if lane >= off:
+            t += y
+        off *= 2
+    before = shfl_idx(t, warp - 1 if warp > 0 else 0, buf)
+    total = shfl_idx(t, nwarps - 1, buf)
+    cuda.syncthreads()                           # tmp may be reused right after
+    if warp == 0:
+        before = np.int64(0)
+    return before + x - np.int64(val), total
+
+
+@cuda.jit(device=True)
+def grid_log_prob(x, lse):
+    """reference.tree.draft_log_probs for one fp32 logit: fp32(x - lse), floored at -2^21, rounded half-even
+    onto the 2^-28 grid, -0.0 -> +0.0. Returns the fp32 value (exactly representable)."""
+    v = np.float64(np.float32(np.float64(x) - lse))
+    if not v >= LP_FLOOR:                        # also -inf (masked token)
+        v = LP_FLOOR
+    v = v * LP_GRID_INV
+    v = (v + RINT_MAGIC) - RINT_MAGIC
+    v = v * LP_GRID + 0.0
+    return np.float32(v)
+
+
+@cuda.jit(device=True)
+def sortable_key(f):
+    """Monotone map of an fp32 value to an int64 in [0, 2^32): a < b  <=>  key(a) < key(b) (no -0.0, no NaN)."""
+    b = f32_bits(f)
+    if b < 0:
+        return np.int64(0x7FFFFFFF) - (b & 0x7FFFFFFF)
+    return np.int64(0x80000000) + b
+
+
+@cuda.jit(device=True)
+def lse_of_row(part_m, part_s, row, nparts):
+    """logsumexp of a row from its per-chunk (max, sum exp(x - max)) partials, combined in chunk order so that
+    every block computing it gets the same bits."""
+    m = -math.inf
+    for p in range(nparts):
+        if part_m[row, p] > m:
+            m = part_m[row, p]
+    s = 0.0
+    for p in range(nparts):
+        if part_s[row, p] > 0.0:
+            s += part_s[row, p] * math.exp(part_m[row, p] - m)
+    return m + math.log(s)

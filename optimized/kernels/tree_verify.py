@@ -1,0 +1,111 @@
+"""Tree compile, acceptance walk and KV commit on the GPU (the stages after build_tree).
+
+compile_rows   grid over (row, word) pairs, one thread each: walks the row's ancestor chain (<= L steps) and
+               writes one 32-bit word of the packed visibility plus its 32 booleans; word-0 threads also
+               write ids, positions, parents and depths of their row.
+               Packed format: words per row W = ceil((n+1)/32); bit b of word w of row i is vis[i, 32w+b];
+               bits past column n are 0; stored in int32 (the uint32 bit pattern).
+follow         one block: per step, the threads scan the rows for the child of the current node carrying the
+               target's choice (siblings have distinct tokens: at most one match); <= L+1 steps.
+commit_kv      one thread per (column word) of the latent cache: for j = 0..len-1 moves row start+acc[j] to
+               start+j. acc is strictly increasing with acc[j] >= j, so the source of a later j is never a
+               slot an earlier j wrote: every source is read before anything overwrites it (the parallel
+               "read all, then write" rule holds per column, and columns are independent).
+gather_rows    features of the accepted rows, in accepted order; rows >= len are zeroed.
+"""
+import numpy as np
+from numba import cuda
+
+
+@cuda.jit
+def compile_rows(tokens, depths, parents, root, start, ids, positions, par_out, dep_out, vis, bits):
+    rows = ids.shape[0]
+    words = bits.shape[1]
+    g = cuda.grid(1)
+    if g >= rows * words:
+        return
+    i = g // words
+    w = g - i * words
+    if w == 0:
+        if i == 0:
+            ids[0] = root[0]
+            positions[0] = start
+            par_out[0] = -1
+            dep_out[0] = 0
+        else:
+            ids[i] = tokens[i - 1]
+            positions[i] = start + depths[i - 1]
+            par_out[i] = parents[i - 1]
+            dep_out[i] = depths[i - 1]
+    word = np.int64(0)
+    j = np.int64(i)
+    while j >= 0:                        # i, its parent, ..., the root
+        if j // 32 == w:
+            word |= np.int64(1) << (j % 32)
+        j = parents[j - 1] if j > 0 else np.int64(-1)
+    bits[i, w] = np.int32(word - (np.int64(1) << 32) if word >= (np.int64(1) << 31) else word)
+    for b in range(32):
+        col = w * 32 + b
+        if col < rows:
+            vis[i, col] = (word >> b) & 1 == 1
+
+
+@cuda.jit
+def follow(ids, parents, choices, accepted, length, bonus):
+    tid = cuda.threadIdx.x
+    T = cuda.blockDim.x
+    rows = ids.shape[0]
+    sh = cuda.shared.array(3, np.int64)      # current node, its choice, the matching child
+    for i in range(tid, rows, T):
+        accepted[i] = -1
+    if tid == 0:
+        sh[0] = 0
+        accepted[0] = 0
+    n_acc = 1
+    while True:
+        cuda.syncthreads()
+        cur = sh[0]
+        want = choices[cur]
+        if tid == 0:
+            sh[2] = -1
+        cuda.syncthreads()
+        for i in range(tid + 1, rows, T):
+            if parents[i] == cur and ids[i] == want:
+                sh[2] = i
+        cuda.syncthreads()
+        nxt = sh[2]
+        if nxt < 0:
+            if tid == 0:
+                length[0] = n_acc
+                bonus[0] = want
+            return
+        if tid == 0:
+            accepted[n_acc] = nxt
+            sh[0] = nxt
+        n_acc += 1
+
+
+
+@cuda.jit
+def commit_kv(kv, start, accepted, length):
+    col = cuda.grid(1)
+    if col >= kv.shape[1]:
+        return
+    for j in range(length[0]):
+        src = accepted[j]
+        if src != j:
+            kv[start + j, col] = kv[start + src, col]
+
+
+@cuda.jit
+def gather_rows(src, accepted, length, out):
+    g = cuda.grid(1)
+    cols = out.shape[1]
+    if g >= out.shape[0] * cols:
+        return
+    j = g // cols
+    c = g - j * cols
+    if j < length[0]:
+        out[j, c] = src[accepted[j], c]
+    else:
+        out[j, c] = 0

@@ -1,0 +1,287 @@
+"""DDTree tree stages on the GPU (Numba CUDA): build_tree, compile_tree, follow_verified_tree, commit.
+
+Same signatures as reference/tree.py (and the same node SET and ORDER, ties included; see its docstring);
+tensors stay on the device. Kernels: optimized/kernels/tree_topk.py (per-depth top-K), tree_beam.py
+(best-first selection), tree_verify.py (compile, follow, commit).
+
+    tree     = build_tree(draft_logits, budget)          # [L, V] on the GPU -> Tree on the GPU
+    compiled = compile_tree(tree, root_token, start)     # CompiledTree + visibility_bits (packed, below)
+    acc      = follow_verified_tree(compiled, choices)   # Accepted(indices, length, bonus) on the GPU
+    feats    = commit(kv, start, acc, features)          # compacts kv [S, C] in place; features[acc]
+
+Packed visibility (read by the tree-masked attention kernel): int32 [n+1, W], W = ceil((n+1)/32), holding
+uint32 bit patterns: bit b of word w of row i is vis[i, 32*w + b] (j is i or an ancestor of i); bits past
+column n are 0. The committed prefix (columns before `start` of the attention row) is always visible and is
+not stored.
+
+Limits: budget <= 1024, L <= 15, V < 2^31. No silent fallback: without a GPU (and without the simulator)
+every entry point raises. Under NUMBA_ENABLE_CUDASIM=1 (set before numba is imported) the same kernels run in
+the Numba simulator on CPU tensors; `backend()` says which one ran.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from numba import cuda
+
+from . import _numba_compat  # noqa: F401  (first: numpy.row_stack shim)
+from .kernels.tree_beam import BMAX, beam
+from .kernels.tree_device import SIM, WARP
+from .kernels.tree_topk import PMAX, topk_gather, topk_hist, topk_stats
+from .kernels.tree_verify import commit_kv, compile_rows, follow, gather_rows
+from reference.tree import CompiledTree, Tree, check_build_args
+
+MAX_DEPTH = 15
+
+
+@dataclass(frozen=True)
+class Config:
+    """Launch geometry. Block sizes: multiples of WARP, at most WARP*WARP, powers of two (reductions)."""
+    topk_threads: int
+    chunk: int             # token ids per top-K block (raised so that a row has at most PMAX chunks)
+    beam_threads: int
+    follow_threads: int
+
+
+DEFAULT_CONFIG = Config(16, 8, 16, 16) if SIM else Config(256, 4096, 512, 256)   # beam: 80 regs/thread
+
+
+@dataclass(frozen=True)
+class PackedCompiledTree(CompiledTree):
+    visibility_bits: torch.Tensor = None   # int32 [n+1, ceil((n+1)/32)]: uint32 words, see module docstring
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """follow_verified_tree on the device: indices int64 [n+1] (accepted node indices from 0, then -1),
+    length int64 [1], bonus int64 [1]."""
+    indices: torch.Tensor
+    length: torch.Tensor
+    bonus: torch.Tensor
+
+    def to_host(self) -> tuple[list[int], int]:
+        """(accepted node indices, next bonus token), as reference.tree.follow_verified_tree returns them."""
+        n = int(self.length.item())
+        return self.indices[:n].tolist(), int(self.bonus.item())
+
+
+def backend() -> str:
+    """"cudasim" (Numba simulator, CPU tensors) or "cuda" (a real GPU, CUDA tensors)."""
+    return "cudasim" if SIM else "cuda"
+
+
+def _require(*tensors: torch.Tensor) -> None:
+    if not SIM and not cuda.is_available():
+        raise RuntimeError("optimized.tree_numba needs a CUDA GPU and numba found none. On a machine without "
+                           "one, set NUMBA_ENABLE_CUDASIM=1 before numba is first imported to run these kernels "
+                           "in the Numba CUDA simulator (CPU tensors, tiny shapes only).")
+    for t in tensors:
+        if SIM and t.is_cuda:
+            raise ValueError("under the Numba simulator (NUMBA_ENABLE_CUDASIM=1) pass CPU tensors")
+        if not SIM and not t.is_cuda:
+            raise ValueError(f"pass CUDA tensors (got a tensor on {t.device}); move it with .cuda()")
+
+
+def _arr(t: torch.Tensor):
+    """Zero-copy Numba view of a contiguous tensor (a NumPy view under the simulator)."""
+    if SIM:
+        return t.numpy()
+    return cuda.as_cuda_array(t, sync=False)   # no stream sync: launches are ordered on torch's stream
+
+
+_streams: dict = {}
+
+
+def _stream(device: torch.device):
+    if SIM:
+        return 0
+    ptr = torch.cuda.current_stream(device).cuda_stream
+    if ptr not in _streams:
+        _streams[ptr] = cuda.default_stream() if ptr == 0 else cuda.external_stream(ptr)
+    return _streams[ptr]
+
+
+def _check_config(cfg: Config) -> Config:
+    for t in (cfg.topk_threads, cfg.beam_threads, cfg.follow_threads):
+        if t % WARP or t > WARP * WARP or t & (t - 1):
+            raise ValueError(f"block size {t} must be a power of two, a multiple of {WARP}, <= {WARP * WARP}")
+    return cfg
+
+
+def node_count(depth: int, k: int, budget: int) -> int:
+    """min(budget, sum_{d=1..L} K^d) without big powers."""
+    total, level = 0, 1
+    for _ in range(depth):
+        level *= k
+        total += level
+        if total >= budget:
+            return budget
+    return total
+
+
+def staircase(k: int, budget: int) -> int:
+    """Most new candidates one beam step can have: sum_j min(K, B // (j+1))."""
+    return sum(min(k, budget // (j + 1)) for j in range(budget))
+
+
+class _Workspace:
+    """Device scratch for one (device, L, V, K, B, config); reused across calls (and CUDA graph replays)."""
+
+    def __init__(self, device, depth, vocab, k, budget, cfg: Config):
+        chunk = max(cfg.chunk, -(-vocab // PMAX))
+        self.chunk, self.parts = chunk, -(-vocab // chunk)
+        z = dict(device=device)
+        self.part_m = torch.empty(depth, self.parts, dtype=torch.float64, **z)
+        self.part_s = torch.empty(depth, self.parts, dtype=torch.float64, **z)
+        self.lse = torch.empty(depth, dtype=torch.float64, **z)
+        self.hist = torch.zeros(depth, 3, 2048, dtype=torch.int32, **z)
+        self.sel = torch.zeros(depth, 4, dtype=torch.int64, **z)
+        self.counters = torch.zeros(depth, 2, dtype=torch.int32, **z)
+        self.cand = torch.empty(depth, k, dtype=torch.int64, **z)
+        self.eq_ids = torch.empty(depth, self.parts, k, dtype=torch.int32, **z)
+        self.eq_cnt = torch.empty(depth, self.parts, dtype=torch.int32, **z)
+        self.top_lp = torch.empty(depth, k, dtype=torch.float32, **z)
+        self.top_id = torch.empty(depth, k, dtype=torch.int64, **z)
+        cap = staircase(k, budget)
+        cap2 = 1 << max(cap - 1, 0).bit_length()
+        self.g_tup = torch.empty(2, budget, 3, dtype=torch.int64, **z)
+        self.g_dep = torch.empty(2, budget, dtype=torch.int32, **z)
+        self.new_tup = torch.empty(max(cap, 1), 3, dtype=torch.int64, **z)
+        self.new_score = torch.empty(cap2, dtype=torch.float64, **z)
+        self.new_perm = torch.empty(cap2, dtype=torch.int32, **z)
+        self.count = torch.zeros(1, dtype=torch.int64, **z)
+        names = ("part_m", "part_s", "lse", "hist", "sel", "counters", "cand", "eq_ids", "eq_cnt", "top_lp",
+                 "top_id", "g_tup", "g_dep", "new_tup", "new_score", "new_perm", "count")
+        self.a = {name: _arr(getattr(self, name)) for name in names}
+
+
+_workspaces: dict = {}
+
+
+def _workspace(device, depth, vocab, k, budget, cfg) -> _Workspace:
+    key = (str(device), depth, vocab, k, budget, cfg)
+    if key not in _workspaces:
+        if len(_workspaces) > 64:
+            _workspaces.clear()
+        _workspaces[key] = _Workspace(device, depth, vocab, k, budget, cfg)
+    return _workspaces[key]
+
+
+def build_tree(draft_logits: torch.Tensor, budget: int, *, check_values: bool = False,
+               config: Optional[Config] = None) -> Tree:
+    """reference.tree.build_tree on the GPU. check_values also rejects NaN/+inf logits (a host sync)."""
+    check_build_args(draft_logits, budget, values=check_values)
+    _require(draft_logits)
+    depth, vocab = draft_logits.shape
+    device = draft_logits.device
+    if budget == 0 or depth == 0:
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return Tree(empty, empty.clone(), empty.clone(), torch.zeros(0, dtype=torch.float64, device=device))
+    if budget > BMAX:
+        raise ValueError(f"budget {budget} > {BMAX}: the GPU tree build supports budgets up to {BMAX}")
+    if depth > MAX_DEPTH:
+        raise ValueError(f"draft_logits has L = {depth} > {MAX_DEPTH} depths: the GPU tree build packs rank "
+                         f"tuples of at most {MAX_DEPTH} digits")
+    cfg = _check_config(config or DEFAULT_CONFIG)
+    k = min(budget, vocab)
+    n = node_count(depth, k, budget)
+    ws = _workspace(device, depth, vocab, k, budget, cfg)
+    a = ws.a
+    x = _arr(draft_logits.float().contiguous())
+    s = _stream(device)
+    grid, tpb = (ws.parts, depth), cfg.topk_threads
+    topk_stats[grid, tpb, s](x, vocab, ws.chunk, a["part_m"], a["part_s"], a["hist"], a["counters"])
+    for level in range(3):
+        topk_hist[grid, tpb, s](x, vocab, ws.chunk, a["part_m"], a["part_s"], a["lse"], a["hist"], a["sel"], level, k)
+    topk_gather[grid, tpb, s](x, vocab, ws.chunk, a["lse"], a["hist"], a["sel"], k, a["counters"],
+                              a["cand"], a["eq_ids"], a["eq_cnt"], a["top_lp"], a["top_id"])
+    tokens = torch.empty(budget, dtype=torch.long, device=device)
+    depths = torch.empty(budget, dtype=torch.long, device=device)
+    parents = torch.empty(budget, dtype=torch.long, device=device)
+    scores = torch.empty(budget, dtype=torch.float64, device=device)
+    beam[1, cfg.beam_threads, s](a["top_lp"], a["top_id"], k, budget, a["g_tup"], a["g_dep"], a["new_tup"],
+                                 a["new_score"], a["new_perm"], _arr(tokens), _arr(depths), _arr(parents),
+                                 _arr(scores), a["count"])
+    if check_values and int(ws.count.item()) != n:
+        raise RuntimeError(f"GPU tree build produced {int(ws.count.item())} nodes, expected {n}")
+    return Tree(tokens=tokens[:n], depths=depths[:n], parents=parents[:n], scores=scores[:n])
+
+
+def compile_tree(tree: Tree, root_token: Union[int, torch.Tensor], start: int) -> PackedCompiledTree:
+    """reference.tree.compile_tree on the GPU, plus the packed visibility. root_token: int or a 1-element
+    device tensor (no host sync)."""
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"start must be a non-negative int, got {start!r}")
+    _require(tree.tokens)
+    n = tree.n
+    device = tree.tokens.device
+    rows, words = n + 1, (n + 32) // 32
+    if isinstance(root_token, torch.Tensor):
+        root = root_token.reshape(1).to(device=device, dtype=torch.long)
+    else:
+        root = torch.full((1,), int(root_token), dtype=torch.long, device=device)
+    ids = torch.empty(rows, dtype=torch.long, device=device)
+    positions = torch.empty(rows, dtype=torch.long, device=device)
+    parents = torch.empty(rows, dtype=torch.long, device=device)
+    depths = torch.empty(rows, dtype=torch.long, device=device)
+    vis = torch.empty(rows, rows, dtype=torch.bool, device=device)
+    bits = torch.empty(rows, words, dtype=torch.int32, device=device)
+    threads = 128
+    blocks = -(-rows * words // threads)
+    compile_rows[blocks, threads, _stream(device)](
+        _arr(tree.tokens.long().contiguous()), _arr(tree.depths.long().contiguous()),
+        _arr(tree.parents.long().contiguous()), _arr(root), start, _arr(ids), _arr(positions), _arr(parents),
+        _arr(depths), _arr(vis), _arr(bits))
+    return PackedCompiledTree(ids=ids, positions=positions, parents=parents, depths=depths, visibility=vis,
+                              start=start, visibility_bits=bits)
+
+
+def follow_verified_tree(compiled: CompiledTree, target_choices: torch.Tensor, *,
+                         config: Optional[Config] = None) -> Accepted:
+    """The acceptance walk on the device (reference.tree.follow_verified_tree); no host sync."""
+    rows = compiled.ids.shape[0]
+    if target_choices.shape != (rows,):
+        raise ValueError(f"target_choices must have shape ({rows},) (one per tree row), "
+                         f"got {tuple(target_choices.shape)}")
+    _require(compiled.ids, target_choices)
+    cfg = _check_config(config or DEFAULT_CONFIG)
+    device = compiled.ids.device
+    acc = torch.empty(rows, dtype=torch.long, device=device)
+    length = torch.empty(1, dtype=torch.long, device=device)
+    bonus = torch.empty(1, dtype=torch.long, device=device)
+    follow[1, cfg.follow_threads, _stream(device)](
+        _arr(compiled.ids.contiguous()), _arr(compiled.parents.contiguous()),
+        _arr(target_choices.long().contiguous()), _arr(acc), _arr(length), _arr(bonus))
+    return Accepted(indices=acc, length=length, bonus=bonus)
+
+
+_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """Same bytes as an integer tensor (Numba has no bf16/fp8 arrays; the copy moves bits)."""
+    return t.view(_WORD[t.element_size()])
+
+
+def commit(kv: torch.Tensor, start: int, accepted: Accepted, features: torch.Tensor) -> torch.Tensor:
+    """Move rows start + accepted[j] of the latent cache kv [S, C] to start + j (in place, sources read
+    before any overwrite) and return features[accepted] as [n+1, F] (rows >= length zeroed)."""
+    if kv.dim() != 2 or not kv.is_contiguous():
+        raise ValueError(f"kv must be a contiguous [S, C] cache, got shape {tuple(kv.shape)}")
+    rows = accepted.indices.shape[0]
+    if features.dim() != 2 or features.shape[0] != rows:
+        raise ValueError(f"features must be [{rows}, F] (one row per tree row), got {tuple(features.shape)}")
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0 or start + rows > kv.shape[0]:
+        raise ValueError(f"start {start!r} + {rows} tree rows does not fit the cache of {kv.shape[0]} rows")
+    _require(kv, features, accepted.indices)
+    device = kv.device
+    s = _stream(device)
+    kw = _words(kv)
+    commit_kv[-(-kw.shape[1] // 128), 128, s](_arr(kw), start, _arr(accepted.indices), _arr(accepted.length))
+    src = _words(features.contiguous())
+    out = torch.empty_like(src)
+    gather_rows[-(-out.numel() // 128), 128, s](_arr(src), _arr(accepted.indices), _arr(accepted.length),
+                                               _arr(out))
+    return out.view(features.dtype)
