@@ -72,12 +72,33 @@ def main():
                   f"{err['max']:.2e} fro {err['fro']:.2e} | torch-bf16 max {base['max']:.2e} fro {base['fro']:.2e}")
             if not ok:
                 print(localize(out.nan_to_num(1e3), ref64))
-    case = mc.make_case(33, 64, 8192, seed=1)
-    f = lambda: mla.tree_attention(case.q_lat, case.q_pe, case.latent, case.tree_mask, case.scale)  # noqa: E731
-    s = mc.time_graph([f])
-    flops, nbytes = mc.work(case)
-    print(f"quick timing T=33 P=8192: {s * 1e6:.1f} us, {flops / s / 1e12:.0f} TFLOP/s, "
-          f"{s / mc.floor_seconds(flops, nbytes):.2f}x floor")
+    variants = {"defaults": (), "skip_rescale": ("MLA_SKIP_RESCALE=1",), "fast_exp2": ("MLA_FAST_EXP2=1",),
+                "qk_unroll3": ("MLA_QK_UNROLL=3",), "skip+exp": ("MLA_SKIP_RESCALE=1", "MLA_FAST_EXP2=1"),
+                "skip+exp+unroll3": ("MLA_SKIP_RESCALE=1", "MLA_FAST_EXP2=1", "MLA_QK_UNROLL=3")}
+    shapes = [(1, 131072), (33, 32768), (257, 8192)]
+    cases = {sh: mc.make_case(sh[0], 64, sh[1], seed=sh[0]) for sh in shapes}
+    score = {}
+    print("variant A/B (us per call; policy checked on T=9 P=333):")
+    for name, defs in variants.items():
+        chk = mc.make_case(9, 64, 333, seed=2)
+        out = mla.tree_attention(chk.q_lat, chk.q_pe, chk.latent, chk.tree_mask, chk.scale, defines=defs)
+        try:
+            mc.check_policy(out, mc.reference_f64(chk), mc.reference_bf16(chk), name)
+            ok = True
+        except AssertionError as e:
+            print(f"  {name}: {e}")
+            ok, failures = False, failures + 1
+        row = []
+        for sh, case in cases.items():
+            f = lambda c=case: mla.tree_attention(c.q_lat, c.q_pe, c.latent, c.tree_mask, c.scale, defines=defs)  # noqa
+            row.append(mc.time_graph([f]))
+        score[name] = (sum(row), ok)
+        regs = mla.kernel_attributes(0, defs)["mla_mma_w8_m64_n64_s2"]
+        print(f"  {name:18s} " + " ".join(f"T={sh[0]} P={sh[1]}: {x * 1e6:8.1f}" for sh, x in zip(shapes, row))
+              + f"  {regs}  policy {'ok' if ok else 'BAD'}")
+    best = min((k for k in score if score[k][1]), key=lambda k: score[k][0])
+    print(f"best variant: {best} {variants[best]}")
+    Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/mla_best_defines").write_text(",".join(variants[best]))
     print(f"check: {failures} failing rows")
 
 

@@ -28,6 +28,7 @@ PREFIXES = [1024, 8192, 32768, 131072]
 TS = [1, 9, 33, 65, 257]
 H = 64
 OUT_DIR = Path(os.environ.get("MLA_BENCH_OUT", Path(__file__).parent / "results"))
+DEFINES = tuple(d for d in os.environ.get("MLA_BENCH_DEFINES", "").split(",") if d)   # kernel variant
 
 
 def _provenance() -> dict:
@@ -38,7 +39,7 @@ def _provenance() -> dict:
     except OSError:
         commit = "unknown"
     return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
-                cupy=cupy.__version__, commit=commit or "unknown")
+                cupy=cupy.__version__, commit=commit or "unknown", kernel_defines=list(DEFINES))
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,8 @@ def test_bench_mla(benchmark, rows, t, prefix):
     n_sets = mc.rotation(nbytes)
     cases = [probe] + [mc.make_case(t, H, prefix, seed=t + prefix + i) for i in range(1, n_sets)]
     masks = [c.tree_mask for c in cases]
-    calls = [(lambda c=c, m=m: tree_attention(c.q_lat, c.q_pe, c.latent, m, c.scale)) for c, m in zip(cases, masks)]
+    calls = [(lambda c=c, m=m: tree_attention(c.q_lat, c.q_pe, c.latent, m, c.scale, defines=DEFINES))
+             for c, m in zip(cases, masks)]
     ours = mc.time_graph(calls)
     pl = plan_for(probe.q_lat, probe.q_pe, probe.latent)
 
@@ -111,7 +113,8 @@ def _write(rows: list[dict]) -> None:
     lines = [f"# Tree-masked MLA attention, K2.6 shapes (H=64, C=512, R=64) on {prov['gpu']}",
              "", f"torch {prov['torch']}, CUDA {prov['cuda']}, cupy {prov['cupy']}, commit {prov['commit'][:12]}. "
              "Floor = max(flops / 787 TFLOP/s, bytes / 4.24 TB/s). PyTorch = reference absorbed_attention in bf16 "
-             "(masked einsum) and SDPA with a bool mask.", "",
+             "(masked einsum) and SDPA with a bool mask. Kernel variant: "
+             f"{', '.join(prov['kernel_defines']) or 'defaults'}.", "",
              "| T | prefix | splits | µs | TFLOP/s | TB/s | floor µs | × floor | einsum µs | × vs einsum | SDPA µs | × vs SDPA |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

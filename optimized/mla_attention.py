@@ -227,11 +227,13 @@ def _cupy():
     return cupy
 
 
-def _device_module(index: int):
-    """Per device: compiled module, kernels with their smem limits raised, and two device properties."""
+def _device_module(index: int, defines: tuple = ()):
+    """Per device (and variant): compiled module, kernels with their smem limits raised, device properties.
+    `defines`: extra -D options selecting kernel variants (MLA_SKIP_RESCALE=1, ...; see the .cu header)."""
+    key = (index, tuple(defines))
     with _lock:
-        if index in _modules:
-            return _modules[index]
+        if key in _modules:
+            return _modules[key]
         cupy = _cupy()
         props = torch.cuda.get_device_properties(index)
         cc = props.major * 10 + props.minor
@@ -239,7 +241,8 @@ def _device_module(index: int):
             smem_optin = int(device.attributes["MaxSharedMemoryPerBlockOptin"])
             # CuPy's NVRTC path compiles for the current device itself (-arch=sm_XX, cubin); adding our own
             # -arch would pass the flag twice. The loaded binary's version is checked below instead.
-            module = cupy.RawModule(code=kernel_source(), options=("-std=c++17",))
+            options = ("-std=c++17",) + tuple(f"-D{d}" for d in defines)
+            module = cupy.RawModule(code=kernel_source(), options=options)
             kernels = {}
             for cfg in CONFIGS.values():
                 fn = module.get_function(cfg.name)
@@ -254,8 +257,8 @@ def _device_module(index: int):
                                    f"CuPy/NVRTC does not know this architecture: upgrade cupy-cuda13x")
             info = dict(arch=f"sm_{cc}", sm_count=int(props.multi_processor_count), smem_optin=smem_optin,
                         name=props.name)
-            _modules[index] = (kernels, info)
-        return _modules[index]
+            _modules[key] = (kernels, info)
+        return _modules[key]
 
 
 def device_info(device: torch.device | int | None = None) -> dict:
@@ -265,9 +268,9 @@ def device_info(device: torch.device | int | None = None) -> dict:
     return dict(_device_module(index)[1])
 
 
-def kernel_attributes(device_index: int = 0) -> dict:
+def kernel_attributes(device_index: int = 0, defines: tuple = ()) -> dict:
     """Registers / local memory per kernel as loaded (for reports)."""
-    kernels, _ = _device_module(device_index)
+    kernels, _ = _device_module(device_index, defines)
     return {k: dict(num_regs=f.num_regs, local_bytes=f.local_size_bytes) for k, f in kernels.items()}
 
 
@@ -278,20 +281,36 @@ def plan_for(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, conf
     return plan(t, h, c, q_pe.shape[2], latent.shape[0], info["sm_count"], info["smem_optin"], config, num_splits)
 
 
+_streams: dict = {}
+
+
+def _cupy_stream(ptr: int, index: int):
+    """CuPy's view of a torch stream, cached. ExternalStream is deprecated in CuPy 14 for Stream.from_external
+    (the __cuda_stream__ protocol); it still works and needs nothing from the torch side."""
+    key = (ptr, index)
+    if key not in _streams:
+        import warnings
+        cupy = _cupy()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            _streams[key] = cupy.cuda.ExternalStream(ptr, index)
+    return _streams[key]
+
+
 def tree_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, tree_mask: torch.Tensor,
                    softmax_scale: float, *, out: Optional[torch.Tensor] = None, num_splits: Optional[int] = None,
-                   config: Optional[str] = None) -> torch.Tensor:
+                   config: Optional[str] = None, defines: tuple = ()) -> torch.Tensor:
     """o_lat [T, H, C] bf16 = absorbed MLA of q_lat [T,H,C], q_pe [T,H,R] over latent [P+T, C+R] with the whole
     prefix visible and the tree rows masked by tree_mask int32 [T, ceil(T/32)] (pack_visibility).
 
     A row that sees no key at all (P = 0 and its own bit clear) gets zeros, where the reference gives NaN.
-    `num_splits` / `config` override the plan (tests, benches)."""
+    `num_splits` / `config` override the plan, `defines` selects a compiled variant (tests, benches)."""
     t, h, c, r, s, w = _validate(q_lat, q_pe, latent, tree_mask, softmax_scale, out)
     p = s - t
     dev = q_lat.device
     if out is None:
         out = torch.empty((t, h, c), dtype=torch.bfloat16, device=dev)
-    kernels, info = _device_module(dev.index)
+    kernels, info = _device_module(dev.index, defines)
     pl = plan(t, h, c, r, s, info["sm_count"], info["smem_optin"], config, num_splits)
     cupy = _cupy()
     import numpy as np
@@ -299,7 +318,7 @@ def tree_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
     i32 = np.int32
     scale_log2 = np.float32(softmax_scale * _LOG2E)
     stream = torch.cuda.current_stream(dev)
-    with cupy.cuda.Device(dev.index), cupy.cuda.ExternalStream(stream.cuda_stream, dev.index):
+    with cupy.cuda.Device(dev.index), _cupy_stream(stream.cuda_stream, dev.index):
         if pl.backend == "simt":
             kernels[pl.kernel](pl.grid, pl.block, (ptr(q_lat), ptr(q_pe), ptr(latent), ptr(tree_mask), ptr(out),
                                                    i32(t), i32(h), i32(c), i32(r), i32(p), i32(s), i32(w),

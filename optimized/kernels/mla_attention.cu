@@ -42,6 +42,17 @@
 
 typedef unsigned short bf16_t;   // raw bf16 bits; no cuda_bf16.h needed (NVRTC and nvcc alike)
 
+// Variants (-D from the launcher's `defines`; the defaults are the measured best, see bench/results/mla_notes.md)
+#ifndef MLA_SKIP_RESCALE
+#define MLA_SKIP_RESCALE 0       // skip O *= alpha when every alpha of the warp is 1 (row maxima unchanged)
+#endif
+#ifndef MLA_FAST_EXP2
+#define MLA_FAST_EXP2 0          // ex2.approx.ftz instead of exp2f in the online softmax
+#endif
+#ifndef MLA_QK_UNROLL
+#define MLA_QK_UNROLL 9          // 128-B channel groups of the QK loop unrolled (9 = all 36 k-steps)
+#endif
+
 #define MLA_C 512
 #define MLA_R 64
 #define MLA_L 576
@@ -51,6 +62,16 @@ typedef unsigned short bf16_t;   // raw bf16 bits; no cuda_bf16.h needed (NVRTC 
 // ---- small PTX helpers ------------------------------------------------------------------------------
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ float softmax_exp2(float x) {
+#if MLA_FAST_EXP2
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));   // ex2(-inf) = +0
+    return y;
+#else
+    return exp2f(x);
+#endif
+}
 
 __device__ __forceinline__ float bf16_to_float(bf16_t v) { return __uint_as_float(((unsigned)v) << 16); }
 
@@ -240,7 +261,8 @@ __device__ __forceinline__ void mla_mma_body(
         {
             // chunk c of row r sits at r*1152 + ((c ^ (r & 7)) << 4); with c = 2*kk + half, the XOR only
             // touches the low 3 bits, so kk = 4*kb + j gives base_j + 128*kb (immediates once unrolled).
-#pragma unroll
+            constexpr int QKU = MLA_QK_UNROLL;
+#pragma unroll QKU
             for (int kb = 0; kb < MLA_ROW_CHUNKS / 8; ++kb) {
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
@@ -297,15 +319,15 @@ __device__ __forceinline__ void mla_mma_body(
         // ---- online softmax update (all KH warps of a row group compute the same m, alpha)
         const float mn0 = fmaxf(m_run0, mx0), mn1 = fmaxf(m_run1, mx1);
         const float mu0 = mn0 == neg_inf() ? 0.f : mn0, mu1 = mn1 == neg_inf() ? 0.f : mn1;
-        const float alpha0 = exp2f(m_run0 - mu0), alpha1 = exp2f(m_run1 - mu1);
+        const float alpha0 = softmax_exp2(m_run0 - mu0), alpha1 = softmax_exp2(m_run1 - mu1);
         m_run0 = mn0;
         m_run1 = mn1;
         l_run0 *= alpha0;
         l_run1 *= alpha1;
 #pragma unroll
         for (int n = 0; n < 2 * NP; ++n) {
-            const float p0 = exp2f(s[n][0] - mu0), p1 = exp2f(s[n][1] - mu0);
-            const float p2 = exp2f(s[n][2] - mu1), p3 = exp2f(s[n][3] - mu1);
+            const float p0 = softmax_exp2(s[n][0] - mu0), p1 = softmax_exp2(s[n][1] - mu0);
+            const float p2 = softmax_exp2(s[n][2] - mu1), p3 = softmax_exp2(s[n][3] - mu1);
             l_run0 += p0 + p1;
             l_run1 += p2 + p3;
             const int chunk = (kh * KW + n * 8) >> 3;
@@ -319,15 +341,30 @@ __device__ __forceinline__ void mla_mma_body(
         __syncthreads();   // P and alpha complete
 
         // ---- O = O * alpha + P V
+        {
+            float al[MT][2];
+            bool rescale = true;
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            const float al0 = sAlpha[mt * 16 + g], al1 = sAlpha[mt * 16 + g + 8];
+            for (int mt = 0; mt < MT; ++mt) {
+                al[mt][0] = sAlpha[mt * 16 + g];
+                al[mt][1] = sAlpha[mt * 16 + g + 8];
+            }
+#if MLA_SKIP_RESCALE
+            bool moved = false;
 #pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                acc[mt][n][0] *= al0;
-                acc[mt][n][1] *= al0;
-                acc[mt][n][2] *= al1;
-                acc[mt][n][3] *= al1;
+            for (int mt = 0; mt < MT; ++mt) moved |= (al[mt][0] != 1.f) | (al[mt][1] != 1.f);
+            rescale = __any_sync(0xffffffffu, moved);
+#endif
+            if (rescale) {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int n = 0; n < NT; ++n) {
+                        acc[mt][n][0] *= al[mt][0];
+                        acc[mt][n][1] *= al[mt][0];
+                        acc[mt][n][2] *= al[mt][1];
+                        acc[mt][n][3] *= al[mt][1];
+                    }
             }
         }
 #pragma unroll
