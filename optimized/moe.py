@@ -350,6 +350,14 @@ def _pick_nt(tokens: int, top_k: int, n_experts: int) -> int:
     return 1 if need <= 8 else 2 if need <= 16 else 4
 
 
+@functools.lru_cache(maxsize=None)
+def _resident_blocks(name: str, device_index: int) -> int:
+    """Blocks of 8 warps that fit on the whole GPU at once (registers are the limit): the persistent grid."""
+    fns, n_sm, warps_per_sm = _kernels(device_index)
+    per_warp = -(-fns[name].num_regs * 32 // 256) * 256
+    return n_sm * max(1, min(warps_per_sm, 65536 // per_warp) // _WARPS)
+
+
 def _run_gemm(epi: int, act: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, g: Grouping, out: torch.Tensor,
               n_experts: int, nt: Optional[int], u: Optional[int]):
     nt = nt or _pick_nt(g.tokens, g.top_k, n_experts)
@@ -357,13 +365,9 @@ def _run_gemm(epi: int, act: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, g
     if (nt, u) not in GEMM_VARIANTS:
         raise ValueError(f"moe gemm: variant NT={nt}, U={u} not compiled; choose from {GEMM_VARIANTS}")
     name = f"moe_int4_gemm<{nt},{u},{epi}>"
-    fns, n_sm, warps_per_sm = _kernels(act.device.index)
-    regs = fns[name].num_regs
-    per_warp = -(-regs * 32 // 256) * 256
-    blocks_per_sm = max(1, min(warps_per_sm, 65536 // per_warp) // _WARPS)
     r, c = wq.shape[1], wq.shape[2]
     a = g.active.shape[1]
-    grid = max(1, min(n_sm * blocks_per_sm, -(-a * r // _WARPS)))
+    grid = max(1, min(_resident_blocks(name, act.device.index), -(-a * r // _WARPS)))
     _launch(name, act.device, (grid,), (32 * _WARPS,),
             (_p(wq), _p(ws), _p(act), np.int32(act.shape[1]), _p(g.token_of_pos if epi == 0 else None),
              _p(g.active), np.int32(a), _p(g.n_active), _p(out), np.int32(out.shape[1]), np.int32(r), np.int32(c)))

@@ -1,5 +1,7 @@
 // MoE routing (noaux_tc) and token -> expert grouping for the INT4 MoE path (optimized/moe.py).
 //
+// Both kernels are extern "C": optimized/moe.py fetches them by plain name.
+//
 // moe_route: one warp per token (grid T, block 32, shared 4*(2E + 2*n_group + K) bytes).
 //   scores = sigmoid(logits) (fp32); choice = scores + bias (selection only); with n_group > 1 keep the
 //   topk_group groups whose top-2 choice sum is highest (others -inf); K rounds of warp arg-max over choice
@@ -31,7 +33,7 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
   }
 }
 
-__global__ void __launch_bounds__(32) moe_route(
+extern "C" __global__ void __launch_bounds__(32) moe_route(
     const float* __restrict__ logits,   // [T, E]
     const float* __restrict__ bias,     // [E]
     int E, int K, int n_group, int topk_group, int norm, float scale,
@@ -130,7 +132,7 @@ __device__ __forceinline__ int block_scan(int v, int* wsum, int* total) {
   return before;
 }
 
-__global__ void __launch_bounds__(1024) moe_group(
+extern "C" __global__ void __launch_bounds__(1024) moe_group(
     const long long* __restrict__ idx,  // [P] global expert id of pair p = t*K + k
     int P, int K,
     const int* __restrict__ g2l,        // [E] local id or -1
