@@ -96,7 +96,8 @@ def ranked_candidates(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor,
     return top_lp[:, :k].contiguous(), top_id[:, :k].contiguous()
 
 
-def _check_logits(draft_logits, budget) -> None:
+def check_build_args(draft_logits, budget, values: bool = True) -> None:
+    """ValueError naming the argument for bad build_tree input; `values` also scans for NaN/+inf (a host sync)."""
     if not isinstance(draft_logits, torch.Tensor) or draft_logits.dim() != 2:
         shape = tuple(draft_logits.shape) if isinstance(draft_logits, torch.Tensor) else type(draft_logits)
         raise ValueError(f"draft_logits must be a 2-D tensor [L, V], got {shape}")
@@ -106,7 +107,7 @@ def _check_logits(draft_logits, budget) -> None:
         raise ValueError(f"budget must be a non-negative int, got {budget!r}")
     if draft_logits.shape[0] > 0 and draft_logits.shape[1] == 0:
         raise ValueError("draft_logits has an empty vocabulary (V = 0)")
-    if draft_logits.numel() and budget > 0:
+    if values and draft_logits.numel() and budget > 0:
         x = draft_logits.float()
         if torch.isnan(x).any() or torch.isposinf(x).any():
             raise ValueError("draft_logits contains NaN or +inf")
@@ -120,7 +121,7 @@ def build_tree(draft_logits: torch.Tensor, budget: int) -> Tree:
     draft_logits: [L, V] any float dtype, any device. Returns a Tree on the same device; the order and the
     tie-breaking are those of the module docstring. budget 0 or L == 0 gives a root-only tree.
     """
-    _check_logits(draft_logits, budget)
+    check_build_args(draft_logits, budget)
     device = draft_logits.device
     depth, vocab = draft_logits.shape
     if budget == 0 or depth == 0:

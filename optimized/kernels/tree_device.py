@@ -26,9 +26,9 @@ RINT_MAGIC = 6755399441055744.0     # 1.5 * 2^52: (v + M) - M rounds half-even f
 if SIM:
     @cuda.jit(device=True)
     def shfl_up(x, off, buf):
-        """Value of lane - off (own value on lanes < off). buf: int64[blockDim] scratch (simulator only)."""
+        """Value of lane - off (own value on lanes < off). buf: int64[blockDim] scratch (simulator only).
+        Every twin ends with a barrier, so buf is free again when the next one writes it."""
         tid = cuda.threadIdx.x
-        cuda.syncthreads()
         buf[tid] = x
         cuda.syncthreads()
         y = buf[tid - off] if tid % WARP >= off else x
@@ -39,7 +39,6 @@ if SIM:
     def shfl_idx(x, src, buf):
         """Value of lane `src` of this warp."""
         tid = cuda.threadIdx.x
-        cuda.syncthreads()
         buf[tid] = x
         cuda.syncthreads()
         y = buf[tid - tid % WARP + src]

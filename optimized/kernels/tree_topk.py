@@ -24,6 +24,7 @@ from .tree_device import TBUF, block_scan, grid_log_prob, lse_of_row, sortable_k
 NB = 2048            # histogram bins (11-bit digits; the last digit uses 1024)
 KMAX = 1024          # largest K (the budget limit)
 PMAX = 128           # most chunks per row
+PMAX1 = PMAX + 1
 TMAX = 1024          # largest block
 TOP = 2 ** 31 - 1    # composite candidate = key * 2^31 + (TOP - id): larger is better
 
@@ -152,7 +153,7 @@ def topk_gather(x, vocab, chunk, lse, hist, sel, k, counters, cand, eq_ids, eq_c
     tmp = cuda.shared.array(32, np.int64)
     buf = cuda.shared.array(TBUF, np.int64)
     shr = cuda.shared.array(2, np.int64)
-    off = cuda.shared.array(PMAX, np.int64)
+    off = cuda.shared.array(PMAX1, np.int64)
     keys = cuda.shared.array(KMAX, np.int64)
     b3, need = find_bucket(hist, row, 2, NB // 2, sel[row, 3], tmp, buf, shr)
     thr = (sel[row, 0] << 21) | (sel[row, 2] << 10) | b3          # the K-th largest key
@@ -191,26 +192,27 @@ def topk_gather(x, vocab, chunk, lse, hist, sel, k, counters, cand, eq_ids, eq_c
     cuda.syncthreads()
     if shr[0] == 0:
         return
-    # The last block of this row: append the tied ids in chunk order, sort, write.
+    # The last block of this row: append the tied ids in chunk order, sort, write. What other blocks wrote
+    # is read with atomics (served by L2), so no stale L1 line can be seen.
     cuda.threadfence()
     if tid == 0:
         base = np.int64(0)
         for q in range(nparts):
             off[q] = base
-            base += eq_cnt[row, q]
-    cuda.syncthreads()
-    for q in range(nparts):
-        for r in range(tid, eq_cnt[row, q], T):
-            pos = off[q] + r
-            if pos < need:
-                cand[row, ngt + pos] = thr * (TOP + 1) + (TOP - eq_ids[row, q, r])
-    cuda.threadfence_block()
+            base += cuda.atomic.add(eq_cnt, (row, q), 0)
+        off[nparts] = base
     cuda.syncthreads()
     n2 = 1
     while n2 < k:
         n2 *= 2
     for r in range(tid, n2, T):
-        keys[r] = cand[row, r] if r < k else np.int64(-1)
+        keys[r] = cuda.atomic.add(cand, (row, r), 0) if r < ngt else np.int64(-1)
+    cuda.syncthreads()
+    for q in range(nparts):
+        for r in range(tid, off[q + 1] - off[q], T):
+            pos = off[q] + r
+            if pos < need:
+                keys[ngt + pos] = thr * (TOP + 1) + (TOP - cuda.atomic.add(eq_ids, (row, q, r), 0))
     bitonic_sort_desc(keys, n2)
     for r in range(tid, k, T):
         tok = TOP - (keys[r] & TOP)
@@ -219,7 +221,6 @@ def topk_gather(x, vocab, chunk, lse, hist, sel, k, counters, cand, eq_ids, eq_c
     if tid == 0:
         counters[row, 0] = 0
         counters[row, 1] = 0
-
 
 
 @cuda.jit(device=True)

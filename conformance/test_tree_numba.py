@@ -1,0 +1,311 @@
+"""optimized/tree_numba.py (Numba CUDA) against reference/tree.py: exact integer equality of the tree (node
+set and order, ties included), the compiled verify inputs and packed visibility, the acceptance walk and the
+KV commit.
+
+Two backends, and every test asserts which one ran:
+  - the Numba CUDA simulator, in CI: `test_simulator_suite` re-runs this file in a subprocess with
+    NUMBA_ENABLE_CUDASIM=1 (it must be set before numba is imported, so it cannot share a process with tests
+    that use numba for real); there the `test_sim_*` tests run at tiny shapes (the simulator costs
+    milliseconds per simulated thread and barrier);
+  - a real GPU (`gpu` marker): the same checks at full shapes (V = 163,840, L = 7 and 15, budgets to 1024),
+    plus the speed check against the reference path measured in the same run.
+"""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings, strategies as st
+
+from reference import tree as ref
+
+SIM_CHILD = os.environ.get("DDTREE_NUMBA_SIM_CHILD") == "1"
+SOAK = os.environ.get("HYPOTHESIS_PROFILE") == "soak"
+KINDS = ("normal", "integer", "equal", "peaked", "masked")
+
+
+def logits(kind: str, depth: int, vocab: int, seed: int, device="cpu") -> torch.Tensor:
+    """[L, V] draft logits; the tie-heavy kinds are those of test_tree.py."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(depth, vocab, generator=g) * 3
+    if kind == "integer":
+        x = torch.randint(0, 3, (depth, vocab), generator=g).float()
+    elif kind == "equal":
+        x = torch.zeros(depth, vocab)
+    elif kind == "peaked":
+        x = torch.zeros(depth, vocab)
+        x[torch.arange(depth), torch.randint(0, vocab, (depth,), generator=g)] = 200.0
+    elif kind == "masked":
+        x[torch.rand(depth, vocab, generator=g) < 0.5] = float("-inf")
+        x[:, -1] = 1.0
+    return x.to(device)
+
+
+def assert_same_tree(got: ref.Tree, want: ref.Tree, what: str) -> None:
+    """Exact equality; the message names the first differing node and field."""
+    assert got.n == want.n, f"{what}: {got.n} nodes, reference {want.n}"
+    for field in ("tokens", "depths", "parents", "scores"):
+        a, b = getattr(got, field).cpu().tolist(), getattr(want, field).cpu().tolist()
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                raise AssertionError(f"{what}: node {i + 1} {field} {x!r} != reference {y!r} "
+                                     f"(tokens {a[max(0, i - 2):i + 3]} vs {b[max(0, i - 2):i + 3]})")
+
+
+def assert_same_topk(opt, draft: torch.Tensor, budget: int, what: str) -> None:
+    """The per-depth candidates the GPU selected (its workspace) equal reference.tree.ranked_candidates."""
+    k = min(budget, draft.shape[1])
+    ws = [w for key, w in opt._workspaces.items() if key[1:5] == (draft.shape[0], draft.shape[1], k, budget)][-1]
+    lp, ids = ref.ranked_candidates(draft.cpu(), k)
+    got_ids, got_lp = ws.top_id.cpu(), ws.top_lp.cpu()
+    bad = (got_ids != ids).nonzero()
+    assert bad.numel() == 0, f"{what}: top-K ids differ first at (depth, rank) {bad[0].tolist()}: " \
+                             f"{got_ids[tuple(bad[0])].item()} != {ids[tuple(bad[0])].item()}"
+    assert torch.equal(got_lp, lp), f"{what}: top-K log-probs differ"
+
+
+def check_compile(opt, tree: ref.Tree, root: int, start: int) -> None:
+    got = opt.compile_tree(tree, root, start)
+    want = ref.compile_tree(ref.Tree(*(getattr(tree, f).cpu() for f in ("tokens", "depths", "parents",
+                                                                         "scores"))), root, start)
+    for field in ("ids", "positions", "parents", "depths", "visibility"):
+        a, b = getattr(got, field).cpu(), getattr(want, field)
+        assert torch.equal(a, b), f"compile_tree {field} differs at {(a != b).nonzero()[0].tolist()}"
+    assert got.start == start
+    rows = tree.n + 1
+    bits = got.visibility_bits.cpu().long() & 0xFFFFFFFF                     # uint32 words
+    assert bits.shape == (rows, (rows + 31) // 32)
+    col = torch.arange(bits.shape[1] * 32)
+    unpacked = ((bits[:, col // 32] >> (col % 32)) & 1).bool()               # [rows, 32 W]
+    assert torch.equal(unpacked[:, :rows], want.visibility), "packed visibility != visibility"
+    assert not unpacked[:, rows:].any(), "packed visibility has bits past column n"
+    assert torch.equal(got.attention_visibility().cpu(), want.attention_visibility())
+
+
+def check_follow_and_commit(opt, tree: ref.Tree, seed: int) -> None:
+    """Choices that follow a random drafted path for a while, then leave it; then commit on a random cache."""
+    device = tree.tokens.device
+    g = torch.Generator().manual_seed(seed)
+    compiled = opt.compile_tree(tree, 5, 3)
+    rows = tree.n + 1
+    ids, par = compiled.ids.cpu().tolist(), compiled.parents.cpu().tolist()
+    choices = torch.randint(0, 50, (rows,), generator=g)
+    leaf = int(torch.randint(0, rows, (1,), generator=g))
+    j = leaf
+    while j > 0:                                   # make the walk reach `leaf` (if the draws allow)
+        choices[par[j]] = ids[j]
+        j = par[j]
+    want = ref.follow_verified_tree(ref.compile_tree(ref.Tree(*(getattr(tree, f).cpu() for f in (
+        "tokens", "depths", "parents", "scores"))), 5, 3), choices)
+    got = opt.follow_verified_tree(compiled, choices.to(device))
+    assert got.to_host() == want, f"follow: {got.to_host()} != reference {want}"
+    assert got.indices.cpu().tolist()[len(want[0]):] == [-1] * (rows - len(want[0]))
+    # commit: kv rows start + acc[j] -> start + j, in place; features[acc]
+    for dtype in (torch.float32, torch.bfloat16):
+        kv = torch.randn(3 + rows + 2, 6, generator=g).to(dtype)
+        feats = torch.randn(rows, 4, generator=g).to(dtype)
+        acc = want[0]
+        expect_kv = kv.clone()
+        expect_kv[3:3 + len(acc)] = kv[3 + torch.tensor(acc)]
+        kv_dev = kv.to(device)
+        out = opt.commit(kv_dev, 3, got, feats.to(device))
+        assert torch.equal(kv_dev.cpu()[:3 + len(acc)], expect_kv[:3 + len(acc)]), "commit: kv rows differ"
+        assert torch.equal(kv_dev.cpu()[3 + rows:], kv[3 + rows:]), "commit touched rows past the tree"
+        assert torch.equal(out.cpu()[:len(acc)], feats[torch.tensor(acc)]), "commit: gathered features differ"
+        assert (out.cpu()[len(acc):] == 0).all()
+
+
+# ---- timing (shared with bench/test_bench_tree.py) ----------------------------------------------------------
+
+def event_median(fn, warmup: int = 10, reps: int = 100, ahead: bool = False) -> float:
+    """Median seconds of fn() between CUDA events. ahead=True first enqueues a ~2 ms spin kernel so the CPU
+    finishes launching before the GPU starts: the events then see device execution only (no launch gaps)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if ahead:
+            torch.cuda._sleep(4_000_000)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def graph_median(fn, reps: int = 100) -> float:
+    """Median seconds of one replay of fn captured in a CUDA graph (raises if capture fails)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        fn()
+    return event_median(graph.replay, warmup=5, reps=reps)
+
+
+def device_path(opt, x: torch.Tensor, budget: int, start: int = 1000):
+    """Draft logits on the device -> compiled tree on the device."""
+    return lambda: opt.compile_tree(opt.build_tree(x, budget), 0, start)
+
+
+def reference_path_time(x: torch.Tensor, budget: int, reps: int = 15) -> float:
+    """reference build_tree + compile_tree on the same device logits (sort + copy to host + heap + copy
+    back); host-synchronous, so timed with a host clock around a device sync."""
+    times = []
+    for i in range(reps + 2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        c = ref.compile_tree(ref.build_tree(x, budget), 0, 1000)
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    assert c.ids.is_cuda
+    return sorted(times)[len(times) // 2]
+
+
+# ---- simulator (runs in the subprocess started by test_simulator_suite) --------------------------------------
+
+def test_simulator_suite():
+    """Run the test_sim_* tests of this file under NUMBA_ENABLE_CUDASIM=1 in a fresh interpreter."""
+    if SIM_CHILD:
+        pytest.skip("this is the simulator subprocess itself")
+    pytest.importorskip("numba_cuda", reason="numba-cuda is not installed (pip install numba-cuda)")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", DDTREE_NUMBA_SIM_CHILD="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_sim_",
+                           os.path.abspath(__file__)], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=900)
+    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-40:])
+    assert proc.returncode == 0, f"simulator suite failed (rc {proc.returncode}):\n{tail}"
+    assert " passed" in tail and "skipped" not in tail.splitlines()[-1], tail
+    print(f"simulator suite: {tail.splitlines()[-1]} ({time.time() - t0:.0f} s)")
+
+
+sim_only = pytest.mark.skipif(not SIM_CHILD, reason="runs inside test_simulator_suite's subprocess")
+
+
+@pytest.fixture
+def sim():
+    from optimized import tree_numba as opt
+    assert opt.backend() == "cudasim", "the simulator subprocess must run on the Numba CUDA simulator"
+    return opt
+
+
+@sim_only
+@settings(max_examples=40 if SOAK else 5, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(KINDS), depth=st.integers(1, 3), vocab=st.integers(1, 16),
+       budget=st.integers(1, 20), seed=st.integers(0, 2 ** 31 - 1), chunk=st.sampled_from([8, 64]),
+       threads=st.sampled_from([8, 16]))
+@example(kind="equal", depth=3, vocab=6, budget=20, seed=0, chunk=4, threads=8)     # all ties, across chunks
+@example(kind="peaked", depth=4, vocab=5, budget=12, seed=1, chunk=8, threads=16)  # lp == 0: child ties parent
+@example(kind="integer", depth=3, vocab=9, budget=24, seed=2, chunk=64, threads=8)
+def test_sim_build_matches_reference(sim, kind, depth, vocab, budget, seed, chunk, threads):
+    cfg = sim.Config(threads, chunk, threads, threads)
+    x = logits(kind, depth, vocab, seed)
+    got = sim.build_tree(x, budget, config=cfg, check_values=True)
+    assert_same_topk(sim, x, budget, f"{kind} L={depth} V={vocab} B={budget}")
+    assert_same_tree(got, ref.build_tree(x, budget), f"{kind} L={depth} V={vocab} B={budget}")
+
+
+@sim_only
+def test_sim_beam_spills_to_global_scratch(sim, monkeypatch):
+    """More new candidates than the shared-memory sort holds: the global-scratch path gives the same tree
+    (the simulator reads the module constant at run time, so it can be made tiny here)."""
+    from optimized.kernels import tree_beam
+    monkeypatch.setattr(tree_beam, "NEWSH", 4)
+    for kind, seed in (("normal", 3), ("equal", 0)):
+        x = logits(kind, 3, 7, seed)
+        assert_same_tree(sim.build_tree(x, 16, config=sim.Config(8, 64, 8, 8)), ref.build_tree(x, 16), kind)
+
+
+@sim_only
+@pytest.mark.parametrize("kind, depth, vocab, budget", [("normal", 3, 8, 10), ("peaked", 4, 3, 9),
+                                                        ("equal", 2, 4, 20), ("normal", 1, 40, 33)])
+def test_sim_compile_follow_commit(sim, kind, depth, vocab, budget):
+    tree = ref.build_tree(logits(kind, depth, vocab, 7), budget)
+    check_compile(sim, tree, root=9, start=4)
+    for seed in range(3):
+        check_follow_and_commit(sim, tree, seed)
+
+
+@sim_only
+def test_sim_root_only_and_limits(sim):
+    assert sim.build_tree(torch.randn(3, 5), 0).n == 0
+    assert sim.build_tree(torch.zeros(0, 5), 4).n == 0
+    root_only = sim.build_tree(torch.randn(2, 5), 0)
+    check_compile(sim, root_only, root=3, start=0)
+    assert sim.follow_verified_tree(sim.compile_tree(root_only, 3, 0), torch.tensor([8])).to_host() == ([0], 8)
+    with pytest.raises(ValueError, match="budget"):
+        sim.build_tree(torch.randn(2, 5), 1025)
+    with pytest.raises(ValueError, match="L = 16"):
+        sim.build_tree(torch.randn(16, 5), 4)
+    with pytest.raises(ValueError, match="budget"):
+        sim.build_tree(torch.randn(2, 5), -1)
+    with pytest.raises(ValueError, match="NaN"):
+        sim.build_tree(torch.tensor([[0.0, float("nan")]]), 2, check_values=True)
+
+
+# ---- real GPU -----------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def gpu():
+    if SIM_CHILD:
+        pytest.skip("the simulator subprocess has no real GPU")
+    from optimized import tree_numba as opt
+    assert opt.backend() == "cuda", "NUMBA_ENABLE_CUDASIM is set: unset it to test on the GPU"
+    return opt
+
+
+FULL_V = 163_840
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth", [7, 15])
+@pytest.mark.parametrize("budget", [16, 64, 256, 1024])
+@pytest.mark.parametrize("kind", ["normal", "integer", "peaked"])
+def test_gpu_full_shapes_match_reference(gpu, depth, budget, kind):
+    x = logits(kind, depth, FULL_V, depth * 1000 + budget, device="cuda")
+    got = gpu.build_tree(x, budget, check_values=True)
+    assert got.tokens.is_cuda
+    assert_same_topk(gpu, x, budget, f"{kind} L={depth} B={budget}")
+    assert_same_tree(got, ref.build_tree(x, budget), f"{kind} L={depth} B={budget}")
+
+
+@pytest.mark.gpu
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(KINDS + ("equal",)), depth=st.integers(1, 15), vocab=st.integers(1, 5000),
+       budget=st.integers(1, 1024), seed=st.integers(0, 2 ** 31 - 1),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+@example(kind="equal", depth=15, vocab=FULL_V, budget=1024, seed=0, dtype=torch.float32)
+@example(kind="peaked", depth=15, vocab=3, budget=1024, seed=0, dtype=torch.float32)
+def test_gpu_build_matches_reference(gpu, kind, depth, vocab, budget, seed, dtype):
+    x = logits(kind, depth, vocab, seed, device="cuda").to(dtype)
+    got = gpu.build_tree(x, budget, check_values=True)
+    assert_same_tree(got, ref.build_tree(x, budget), f"{kind} L={depth} V={vocab} B={budget} {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("budget", [1, 64, 1024])
+def test_gpu_compile_follow_commit(gpu, budget):
+    tree = gpu.build_tree(logits("normal", 15, 5000, budget, device="cuda"), budget)
+    check_compile(gpu, tree, root=9, start=100)
+    for seed in range(5):
+        check_follow_and_commit(gpu, tree, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("budget", [64, 1024])
+def test_gpu_speed_vs_reference_path(gpu, budget):
+    """Speed target as a ratio measured in this run, never an absolute time: the device path (logits ->
+    compiled tree, device execution time) against the reference path on the same device logits (torch sort +
+    host heap + copies). The issue's goal (<= 40 us at B <= 256, <= 100 us at 1024, vs ~1-3 ms) is >= 10x."""
+    x = logits("normal", 15, FULL_V, 0, device="cuda")
+    ours = event_median(device_path(gpu, x, budget), ahead=True)       # device execution
+    theirs = reference_path_time(x, budget)
+    assert theirs / ours >= 10.0, f"device path {ours * 1e6:.1f} us vs reference {theirs * 1e6:.1f} us"
