@@ -33,11 +33,14 @@ DEFINES = tuple(d for d in os.environ.get("MLA_BENCH_DEFINES", "").split(",") if
 
 def _provenance() -> dict:
     import cupy
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = "unknown"
+    commit = os.environ.get("MLA_COMMIT", "")        # the device copy of the tree has no git metadata
+    if not commit:
+        try:
+            res = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                 cwd=Path(__file__).parent)
+            commit = res.stdout.strip() if res.returncode == 0 else "unknown"
+        except OSError:
+            commit = "unknown"
     return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
                 cupy=cupy.__version__, commit=commit or "unknown", kernel_defines=list(DEFINES))
 

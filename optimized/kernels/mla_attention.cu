@@ -39,15 +39,17 @@
 //   registers that would hold it) against 8.9 MFLOP: at 128 B/clk/SM that caps it near 520 TFLOP/s, and
 //   mma.sync on Hopper issues at roughly 60-65% of the wgmma rate, so expect ~250-350 TFLOP/s at
 //   T >= 9; reaching the 787 ceiling needs a wgmma (sm_90a) variant.
+//   Measured (H200, bench/results/mla_attention.md): 245-253 TFLOP/s at T >= 33 and prefix >= 32k
+//   (3.1-3.2x the compute floor); T=1 P=128k 118 us (3.3x the bandwidth floor); notes in mla_notes.md.
 
 typedef unsigned short bf16_t;   // raw bf16 bits; no cuda_bf16.h needed (NVRTC and nvcc alike)
 
 // Variants (-D from the launcher's `defines`; the defaults are the measured best, see bench/results/mla_notes.md)
 #ifndef MLA_SKIP_RESCALE
-#define MLA_SKIP_RESCALE 0       // skip O *= alpha when every alpha of the warp is 1 (row maxima unchanged)
+#define MLA_SKIP_RESCALE 1       // skip O *= alpha when every alpha of the warp is 1 (row maxima unchanged)
 #endif
 #ifndef MLA_FAST_EXP2
-#define MLA_FAST_EXP2 0          // ex2.approx.ftz instead of exp2f in the online softmax
+#define MLA_FAST_EXP2 1          // ex2.approx.ftz instead of exp2f in the online softmax
 #endif
 #ifndef MLA_QK_UNROLL
 #define MLA_QK_UNROLL 9          // 128-B channel groups of the QK loop unrolled (9 = all 36 k-steps)
