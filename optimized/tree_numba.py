@@ -20,13 +20,13 @@ the Numba simulator on CPU tensors; `backend()` says which one ran.
 """
 from __future__ import annotations
 
+from . import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shim)
+
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 from numba import cuda
-
-from . import _numba_compat  # noqa: F401  (first: numpy.row_stack shim)
 from .kernels.tree_beam import BMAX, beam
 from .kernels.tree_device import SIM, WARP
 from .kernels.tree_topk import PMAX, topk_gather, topk_hist, topk_stats

@@ -22,6 +22,8 @@ Algorithm (exact; G_d = the first B prefixes of depth <= d, kept sorted in share
 Shared memory: ~44 KB (lp row, two score buffers, the new candidates' scores and permutation while they
 number <= 1024, offsets and parents). Tuples and larger candidate sets live in global scratch.
 """
+from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shim)
+
 import numpy as np
 from numba import cuda
 

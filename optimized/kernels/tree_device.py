@@ -6,12 +6,12 @@ needs them has a twin chosen at import: the simulator twin emulates the same lan
 memory and block barriers (every thread of the block must call it, which the callers here always do), with
 a warp of WARP = 4 lanes so that a 16-thread block already exercises the two-level logic of `block_scan`.
 """
+from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shim)
+
 import math
 
 import numpy as np
 from numba import config, cuda
-
-from .. import _numba_compat  # noqa: F401  (first: numpy.row_stack shim)
 
 SIM = bool(config.ENABLE_CUDASIM)
 WARP = 4 if SIM else 32

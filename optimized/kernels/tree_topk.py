@@ -14,6 +14,8 @@ Four launches of the same two kernels (a pass is a parameter):
 Napkin: V = 163,840, L = 15: the logits are 9.8 MB (read once from HBM, then 3-4 times from the 60 MB L2),
 ~2.5 M fp64 exps; at 4 TB/s + L2 the floor is ~3 us, the launches (~2-4 us each on the device) dominate.
 """
+from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shim)
+
 import math
 
 import numpy as np

@@ -13,6 +13,8 @@ commit_kv      one thread per (column word) of the latent cache: for j = 0..len-
                "read all, then write" rule holds per column, and columns are independent).
 gather_rows    features of the accepted rows, in accepted order; rows >= len are zeroed.
 """
+from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shim)
+
 import numpy as np
 from numba import cuda
 

@@ -1,0 +1,81 @@
+"""Tree path on the GPU (issue 5): draft logits [L, V] on the device -> compiled tree on the device, by the
+Numba kernels (optimized/tree_numba.py) against the reference path on the same device logits (torch sort,
+copy to host, Python heap, copy back; reference/tree.py). V = 163,840; L = 7 and 15; budgets 16..1024.
+
+Times (CUDA events, warm-up, median of 100; extra_info, microseconds):
+  eager_us   launches as a synchronous caller issues them (Numba's per-launch CPU cost included)
+  device_us  device execution only: a spin kernel is queued first so the CPU has issued every launch
+             before the GPU starts (the engine's case: the CPU runs ahead of the GPU)
+  graph_us   one replay of the path captured in a CUDA graph (graph_error says why when capture fails)
+  reference_us, ratio_* = reference / ours; goal_us: <= 40 us at budget <= 256, <= 100 us at 1024.
+Floor: reading the fp32 logits once is 9.8 MB / 4.24 TB/s = 2.3 us at L = 15 (1.1 us at L = 7); the path is
+latency bound (seven dependent launches and one single-block selection), not bandwidth bound.
+
+    pytest bench/test_bench_tree.py --benchmark-only --benchmark-json=out.json     (DDTREE_BENCH_OUT=dir also
+    writes tree_<date>.json and .md there)
+"""
+import datetime
+import json
+import os
+
+import pytest
+import torch
+
+from test_tree_numba import device_path, event_median, graph_median, logits, reference_path_time
+
+VOCAB = 163_840
+ROWS: list = []
+
+
+def _write_summary(info: dict) -> None:
+    out = os.environ.get("DDTREE_BENCH_OUT")
+    if not out:
+        return
+    os.makedirs(out, exist_ok=True)
+    day = datetime.date.today().isoformat()
+    with open(os.path.join(out, f"tree_{day}.json"), "w") as f:
+        json.dump({"provenance": info, "results": ROWS}, f, indent=1)
+    lines = [f"# Tree path on {info.get('gpu', '?')} ({day}, commit {info.get('commit', '?')})", "",
+             "V = 163,840; draft logits on the device -> compiled tree on the device. Microseconds (median).",
+             "", "| L | budget | device | eager | graph | reference | ratio (device) | goal |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in ROWS:
+        graph = f"{r['graph_us']:.1f}" if r["graph_us"] is not None else "failed"
+        lines.append(f"| {r['depth']} | {r['budget']} | {r['device_us']:.1f} | {r['eager_us']:.1f} | {graph} | "
+                     f"{r['reference_us']:.0f} | {r['ratio_device']:.0f}x | {r['goal_us']} |")
+    with open(os.path.join(out, f"tree_{day}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("depth", [7, 15])
+@pytest.mark.parametrize("budget", [16, 64, 256, 1024])
+def test_tree_device_path(benchmark, provenance, depth, budget):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from optimized import tree_numba as opt
+    assert opt.backend() == "cuda"
+    info = dict(provenance)                      # provenance only, before the row is added
+    x = logits("normal", depth, VOCAB, depth * 7 + budget, device="cuda")
+    fn = device_path(opt, x, budget)
+    eager = event_median(fn)
+    device = event_median(fn, ahead=True)
+    build_only = event_median(lambda: opt.build_tree(x, budget), ahead=True)
+    graph, graph_error = None, None
+    try:
+        graph = graph_median(fn)
+    except Exception as e:  # recorded, not hidden: the JSON says why
+        graph_error = f"{type(e).__name__}: {e}"[:300]
+    reference = reference_path_time(x, budget)
+
+    def run():
+        fn()
+        torch.cuda.synchronize()
+    benchmark.pedantic(run, rounds=30, warmup_rounds=3)
+    row = dict(depth=depth, budget=budget, vocab=VOCAB, eager_us=eager * 1e6, device_us=device * 1e6,
+               build_device_us=build_only * 1e6, graph_us=None if graph is None else graph * 1e6,
+               graph_error=graph_error, reference_us=reference * 1e6, ratio_eager=reference / eager,
+               ratio_device=reference / device, ratio_graph=None if graph is None else reference / graph,
+               goal_us=40 if budget <= 256 else 100, floor_us=depth * VOCAB * 4 / 4.24e12 * 1e6)
+    benchmark.extra_info.update(row)
+    ROWS.append(row)
+    _write_summary(info)
