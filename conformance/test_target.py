@@ -19,7 +19,7 @@ from reference.config import ConfigError, TargetConfig
 from reference.factory import random_target, tiny_config, write_random_target
 from reference.target import Target
 
-SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "configs")
+SHARED = os.path.join(os.path.dirname(__file__), "..", "fixtures", "configs")
 K26 = os.path.join(SHARED, "kimi-k2.6-text.config.json")
 
 
