@@ -83,7 +83,8 @@ def measure(layer, tokens, reps=20, ref_reps=3, grouped=None) -> dict:
     per_expert = expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size, 32)
     routes = random_routes(layer, tokens, reps)
     distinct = [int(i.unique().numel()) for _, i, _ in routes]
-    row = {"tokens": tokens, "distinct": median(distinct), "bytes": median(distinct) * per_expert}
+    row = {"tokens": tokens, "distinct": median(distinct), "bytes": median(distinct) * per_expert,
+           "variant": list(moe_k.pick_variant(tokens, cfg.num_experts_per_tok, cfg.n_routed_experts))}
     row["floor_us"] = row["bytes"] / (CEILING_TBPS * 1e12) * 1e6
 
     def bw(times):
@@ -177,8 +178,16 @@ def markdown(res) -> str:
         lines += ["Stages alone (µs): " + "; ".join(
             f"T={t}: " + ", ".join(f"{k[:-3]} {v:.0f}" for k, v in s.items()) for t, s in res["stages"].items()), ""]
     if res.get("variants"):
-        lines += ["Kernel variants (NT, U), routed µs: " + "; ".join(
-            f"T={v['tokens']} {tuple(v['variant'])}: {v['us']:.0f}" for v in res["variants"]), ""]
+        names = sorted({tuple(v["variant"]) for v in res["variants"]})
+        ts = sorted({v["tokens"] for v in res["variants"]})
+        us = {(v["tokens"], tuple(v["variant"])): v["us"] for v in res["variants"]}
+        lines += ["Kernel variants (NT, U, XB, PF): routed µs, same run (default marked *)", "",
+                  "| T | " + " | ".join(str(n) for n in names) + " |", "|---" * (len(names) + 1) + "|"]
+        for t in ts:
+            best = moe_k.pick_variant(t, 8, 384)
+            lines.append(f"| {t} | " + " | ".join(
+                ("%.0f" % us[t, n] if (t, n) in us else "-") + ("*" if n == best else "") for n in names) + " |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -229,11 +238,11 @@ def main(argv=None):
         except Exception:                                    # noqa: BLE001
             traceback.print_exc()
     if args.variants:
-        for t in (1, 8, 64, 256):
-            for nt, u in moe_k.GEMM_VARIANTS:
+        for t in args.tokens:
+            for v in moe_k.GEMM_VARIANTS:
                 try:
-                    r = routed_bandwidth(layer, t, nt=nt, u=u)
-                    res["variants"].append({"tokens": t, "variant": [nt, u], **r})
+                    r = routed_bandwidth(layer, t, variant=v)
+                    res["variants"].append({"tokens": t, "variant": list(v), **r})
                 except Exception:                            # noqa: BLE001
                     traceback.print_exc()
     with open(os.path.join(args.out, "moe_int4.json"), "w") as f:

@@ -46,11 +46,13 @@ import torch.nn.functional as F
 from reference.int4 import pack_int4
 
 __all__ = ["MoEWeights", "Grouping", "compile_target", "repack", "unrepack", "pack_experts", "load_moe_weights", "route", "router",
-           "group_tokens", "gate_up", "down", "combine", "moe_routed", "shared_expert", "moe_forward"]
+           "group_tokens", "pick_variant", "gate_up", "down", "combine", "moe_routed", "shared_expert", "moe_forward"]
 
 _KERNELS = Path(__file__).resolve().parent / "kernels"
-GEMM_VARIANTS = ((1, 4), (1, 8), (2, 4), (4, 2))          # (NT n-tiles of 8 tokens, U chunks in flight)
-DEFAULT_U = {1: 8, 2: 4, 4: 2}
+# (NT n-tiles of 8 tokens per pass, U chunks per register stage, XB chunks per activation batch, PF chunks of L2
+# prefetch beyond the register stage): the instantiations compiled (each also in the .cu's MOE_NVCC_CHECK list).
+GEMM_VARIANTS = ((1, 4, 4, 0), (1, 4, 4, 16), (1, 4, 1, 16), (1, 2, 2, 16), (2, 4, 2, 16), (2, 2, 2, 16),
+                 (4, 1, 1, 16))
 _WARPS = 8
 
 
@@ -229,7 +231,7 @@ def _kernels(device_index: int):
     # CuPy appends -arch=sm_<major><minor> of the current device itself (NVRTC -> cubin; a second -arch is an
     # NVRTC invalid-option error), so sm_90 on H200 and sm_120 on RTX PRO 6000: mma.sync only, no wgmma.
     options = ("-std=c++17",)
-    gemm = [f"moe_int4_gemm<{nt},{u},{epi}>" for nt, u in GEMM_VARIANTS for epi in (0, 1)]
+    gemm = [_gemm_name(v, epi) for v in GEMM_VARIANTS for epi in (0, 1)]
     comb = ["moe_combine<0>", "moe_combine<1>"]
     with cupy.cuda.Device(device_index):
         m1 = cupy.RawModule(code=(_KERNELS / "moe_int4.cu").read_text(), options=options,
@@ -343,11 +345,20 @@ def group_tokens(idx: torch.Tensor, weights: MoEWeights) -> Grouping:
     return g
 
 
-def _pick_nt(tokens: int, top_k: int, n_experts: int) -> int:
-    """n-tiles per pass: enough for the likely largest expert (mean + 3 sigma of uniform routing), at most T."""
+def _gemm_name(variant, epi: int) -> str:
+    return "moe_int4_gemm<%d,%d,%d,%d,%d>" % (*variant, epi)
+
+
+def pick_variant(tokens: int, top_k: int, n_experts: int):
+    """NT: enough n-tiles for the likely largest expert (mean + 3 sigma of uniform routing, at most T). With few
+    pairs (T*K <= 16) each warp owns one long 16-row tile, so the per-warp chain decides: batch activations 4
+    chunks deep; otherwise occupancy decides: the 72-register variant (24 warps per SM). Every variant prefetches
+    16 chunks into L2."""
     m = tokens * top_k / max(1, n_experts)
     need = min(tokens, m + 3 * math.sqrt(m) + 1)
-    return 1 if need <= 8 else 2 if need <= 16 else 4
+    if need <= 8:
+        return (1, 4, 4, 16) if tokens * top_k <= 16 else (1, 2, 2, 16)
+    return (2, 4, 2, 16) if need <= 16 else (4, 1, 1, 16)
 
 
 @functools.lru_cache(maxsize=None)
@@ -359,12 +370,11 @@ def _resident_blocks(name: str, device_index: int) -> int:
 
 
 def _run_gemm(epi: int, act: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, g: Grouping, out: torch.Tensor,
-              n_experts: int, nt: Optional[int], u: Optional[int]):
-    nt = nt or _pick_nt(g.tokens, g.top_k, n_experts)
-    u = u or DEFAULT_U[nt]
-    if (nt, u) not in GEMM_VARIANTS:
-        raise ValueError(f"moe gemm: variant NT={nt}, U={u} not compiled; choose from {GEMM_VARIANTS}")
-    name = f"moe_int4_gemm<{nt},{u},{epi}>"
+              n_experts: int, variant):
+    variant = tuple(variant) if variant is not None else pick_variant(g.tokens, g.top_k, n_experts)
+    if variant not in GEMM_VARIANTS:
+        raise ValueError(f"moe gemm: variant {variant} not compiled; choose from {GEMM_VARIANTS}")
+    name = _gemm_name(variant, epi)
     r, c = wq.shape[1], wq.shape[2]
     a = g.active.shape[1]
     grid = max(1, min(_resident_blocks(name, act.device.index), -(-a * r // _WARPS)))
@@ -373,21 +383,21 @@ def _run_gemm(epi: int, act: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, g
              _p(g.active), np.int32(a), _p(g.n_active), _p(out), np.int32(out.shape[1]), np.int32(r), np.int32(c)))
 
 
-def gate_up(x: torch.Tensor, weights: MoEWeights, grouping: Grouping, nt=None, u=None) -> torch.Tensor:
+def gate_up(x: torch.Tensor, weights: MoEWeights, grouping: Grouping, variant=None) -> torch.Tensor:
     """h [P, Fp] bf16 = silu(x W_gate^T) * (x W_up^T) for every sorted pair (rows past the owned count unset;
     columns past F zero)."""
     xp = _check_x(x, weights)
     f, fp = weights.intermediate, _pad64(weights.intermediate)
     p = grouping.tokens * grouping.top_k
     h = (torch.empty if fp == f else torch.zeros)(p, fp, dtype=torch.bfloat16, device=x.device)
-    _run_gemm(0, xp, weights.w13, weights.s13, grouping, h, weights.n_experts, nt, u)
+    _run_gemm(0, xp, weights.w13, weights.s13, grouping, h, weights.n_experts, variant)
     return h
 
 
-def down(h: torch.Tensor, weights: MoEWeights, grouping: Grouping, nt=None, u=None) -> torch.Tensor:
+def down(h: torch.Tensor, weights: MoEWeights, grouping: Grouping, variant=None) -> torch.Tensor:
     """y [P, D] fp32 = h W_down^T per sorted pair."""
     y = torch.empty(h.shape[0], weights.hidden, dtype=torch.float32, device=h.device)
-    _run_gemm(1, h, weights.w2, weights.s2, grouping, y, weights.n_experts, nt, u)
+    _run_gemm(1, h, weights.w2, weights.s2, grouping, y, weights.n_experts, variant)
     return y
 
 
@@ -424,14 +434,14 @@ def _check_x(x: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
 
 
 def moe_routed(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, weights: MoEWeights,
-               add: Optional[torch.Tensor] = None, out_dtype=torch.bfloat16, out=None, nt=None, u=None):
+               add: Optional[torch.Tensor] = None, out_dtype=torch.bfloat16, out=None, variant=None):
     """sum_k w[t,k] expert_{idx[t,k]}(x[t]) over the experts held in `weights` (+ add): [T, D]."""
     _check_x(x, weights)
     if idx.shape != w.shape or idx.shape[0] != x.shape[0]:
         raise ValueError(f"moe_routed: idx {tuple(idx.shape)} / w {tuple(w.shape)} do not match x {tuple(x.shape)}")
     g = group_tokens(idx, weights)
-    h = gate_up(x, weights, g, nt, u)
-    y = down(h, weights, g, nt, u)
+    h = gate_up(x, weights, g, variant)
+    y = down(h, weights, g, variant)
     return combine(y, g, w, add, out_dtype, out)
 
 

@@ -1,10 +1,12 @@
 // INT4 (W4A16) grouped expert GEMMs for Kimi K2.6-class MoE layers, tensor cores through mma.sync.
 //
 // Kernels
-//   moe_int4_gemm<NT, U, EPI>  one warp = one work item = (active expert, 16-row weight tile), full K.
+//   moe_int4_gemm<NT, U, XB, PF, EPI>  one warp = one work item = (active expert, 16-row weight tile), full K.
 //       EPI 0 (gate+up): the tile holds 8 gate rows and the 8 up rows of the same intermediate channels, so
 //             SwiGLU happens in registers: h[pos, 8*tile + g] = bf16(silu(gate) * up).
 //       EPI 1 (down):    y[pos, 16*tile + row] = fp32 result (combined later, deterministically).
+//       NT n-tiles of 8 tokens per pass; U weight chunks per register stage (double-buffered); XB chunks of
+//       activations loaded together; PF chunks of L2 prefetch beyond the register stage.
 //   moe_combine<OUT_BF16>  out[t, :] = sum_k w[t,k] * y[pos(t,k), :] (+ add[t, :]), fp32 sums, k ascending.
 //
 // Weight layout (made once at load by optimized/moe.py `repack`; see its docstring for the full story):
@@ -19,8 +21,9 @@
 //
 // Launch geometry: 256 threads (8 warps) per block, grid = SMs x resident blocks (capped by the work); each
 //   warp walks items w, w + warps, ...; items = n_active * R read from device memory (no host sync).  For T=1
-//   (8 experts) gate+up has 8*256 = 2048 items and down 8*448 = 3584 items: every SM gets ~15-27 warps.
-//   An expert with more than 8*NT tokens re-streams its tile for each further 8*NT tokens (L2-warm).
+//   (8 experts) gate+up has 8*256 = 2048 items and down 8*448 = 3584 items: every SM gets ~15-27 warps, and a
+//   warp's own dependency chain (activation latency, HMMA accumulator chain) bounds T=1, hence XB and the two
+//   accumulator sets.  An expert with more than 8*NT tokens re-streams its tile per further 8*NT tokens.
 //
 // Napkin math (K2.6: D 7168, F 2048, group 32): per expert gate+up 14.68 MB nibbles + 1.84 MB scales, down
 //   7.34 + 0.92 MB: 24.77 MB.  T=1 touches 8 experts = 198 MB -> 46.7 us at 4.24 TB/s; T=64 ~284 experts =
@@ -43,6 +46,10 @@ __device__ __forceinline__ u32 ld_stream32(const u32* p) {
   u32 v;
   asm("ld.global.nc.L1::no_allocate.L2::256B.u32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {  // DRAM -> L2 early: bytes in flight cost no registers
+  asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
 }
 
 __device__ __forceinline__ uint4 ld_act(const void* p) {           // activations: reused by the block's warps
@@ -75,24 +82,36 @@ __device__ __forceinline__ u16 f2bf(float f) {
 
 __device__ __forceinline__ float bf2f(u16 h) { return __uint_as_float(((u32)h) << 16); }
 
-// One 64-wide k chunk of one 16-row tile against NT n-tiles of 8 token columns.
-template <int NT>
-__device__ __forceinline__ void mma_chunk(float (&acc)[NT][4], uint4 w, u32 sc, const u16* const (&xrow)[NT],
-                                          int c) {
-  const u32 s_lo = __byte_perm(sc, 0, 0x1010);   // (s[g], s[g]) for rows g
-  const u32 s_hi = __byte_perm(sc, 0, 0x3232);   // (s[g+8], s[g+8]) for rows g+8
-  uint4 xa[NT], xb[NT];
+// Activations of XB consecutive chunks for NT n-tiles: lane (g, t) reads 16 consecutive values of its token
+// row per chunk (two 16-byte loads). Issued together before the chunks' math so the L1/L2 latency is paid once
+// per XB chunks, not once per chunk (the per-warp dependency chain is what bounds T=1, where each warp owns one
+// 16-row tile).
+template <int NT, int XB>
+__device__ __forceinline__ void load_act(uint4 (&xa)[XB][NT], uint4 (&xb)[XB][NT], const u16* const (&xrow)[NT],
+                                         int c0, int C) {
 #pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    if (xrow[j] != nullptr) {
-      const uint4* p = reinterpret_cast<const uint4*>(xrow[j] + c * 64);
-      xa[j] = ld_act(p);
-      xb[j] = ld_act(p + 1);
-    } else {
-      xa[j] = make_uint4(0u, 0u, 0u, 0u);
-      xb[j] = make_uint4(0u, 0u, 0u, 0u);
+  for (int u = 0; u < XB; ++u) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      if (xrow[j] != nullptr && c0 + u < C) {
+        const uint4* p = reinterpret_cast<const uint4*>(xrow[j] + (c0 + u) * 64);
+        xa[u][j] = ld_act(p);
+        xb[u][j] = ld_act(p + 1);
+      } else {
+        xa[u][j] = make_uint4(0u, 0u, 0u, 0u);
+        xb[u][j] = make_uint4(0u, 0u, 0u, 0u);
+      }
     }
   }
+}
+
+// One 64-wide k chunk of one 16-row tile against NT n-tiles of 8 token columns. Even and odd k-steps go to two
+// accumulator sets so consecutive HMMAs do not wait on each other.
+template <int NT>
+__device__ __forceinline__ void mma_chunk(float (&acc)[2][NT][4], uint4 w, u32 sc, const uint4 (&xa)[NT],
+                                          const uint4 (&xb)[NT]) {
+  const u32 s_lo = __byte_perm(sc, 0, 0x1010);   // (s[g], s[g]) for rows g
+  const u32 s_hi = __byte_perm(sc, 0, 0x3232);   // (s[g+8], s[g+8]) for rows g+8
   const u32 wv[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
@@ -105,13 +124,16 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[NT][4], uint4 w, u32 sc, 
     for (int j = 0; j < NT; ++j) {
       const u32 b0 = s == 0 ? xa[j].x : s == 1 ? xa[j].z : s == 2 ? xb[j].x : xb[j].z;
       const u32 b1 = s == 0 ? xa[j].y : s == 1 ? xa[j].w : s == 2 ? xb[j].y : xb[j].w;
-      mma_bf16(acc[j], a0, a1, a2, a3, b0, b1);
+      mma_bf16(acc[s & 1][j], a0, a1, a2, a3, b0, b1);
     }
   }
 }
 
-template <int NT, int U, int EPI>
-__global__ void __launch_bounds__(256) moe_int4_gemm(
+// NT n-tiles of 8 tokens per pass, U weight chunks per register stage (the next stage is in flight while this
+// one is multiplied), XB chunks per activation batch (U % XB == 0), and an L2 prefetch PF chunks beyond the next
+// register stage (0: none), which keeps ~(U + PF) * 576 bytes per warp in flight without holding registers.
+template <int NT, int U, int XB, int PF, int EPI>
+__global__ void __launch_bounds__(256, (NT == 1 && U <= 2) ? 3 : 2) moe_int4_gemm(
     const uint4* __restrict__ wq,        // [L, R, C, 32]
     const u32* __restrict__ ws,          // [L, R, C, 16]
     const u16* __restrict__ act,         // bf16 input rows, row stride ld_act (= C*64) elements
@@ -122,6 +144,7 @@ __global__ void __launch_bounds__(256) moe_int4_gemm(
     const int* __restrict__ n_active,    // [1]
     void* __restrict__ out, int ld_out,  // EPI 0: bf16 h [P, ld_out]; EPI 1: fp32 y [P, ld_out]
     int R, int C) {
+  static_assert(U % XB == 0, "XB must divide U");
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int warps = gridDim.x * (blockDim.x >> 5);
@@ -132,6 +155,14 @@ __global__ void __launch_bounds__(256) moe_int4_gemm(
     const size_t tile = (size_t)e * R + r;
     const uint4* wt = wq + tile * C * 32 + lane;
     const u32* st = ws + tile * C * 16 + (g * 2 + (t >> 1));
+    const uint4* next_wt = nullptr;          // this warp's next item: its first chunks are prefetched while the
+    const u32* next_st = nullptr;            // current item ends, so the item switch does not drain the pipe
+    if (PF > 0 && item + warps < n_items) {
+      const int a2 = (item + warps) / R, r2 = (item + warps) - a2 * R;
+      const size_t tile2 = (size_t)active[a2] * R + r2;
+      next_wt = wq + tile2 * C * 32 + lane;
+      next_st = ws + tile2 * C * 16 + (g * 2 + (t >> 1));
+    }
     for (int n0 = 0; n0 < cnt; n0 += NT * 8) {
       const u16* xrow[NT];
 #pragma unroll
@@ -143,11 +174,12 @@ __global__ void __launch_bounds__(256) moe_int4_gemm(
           xrow[j] = act + (size_t)row * ld_act + 16 * t;
         }
       }
-      float acc[NT][4];
+      float acc[2][NT][4];
 #pragma unroll
-      for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int j = 0; j < NT; ++j) acc[h][j][0] = acc[h][j][1] = acc[h][j][2] = acc[h][j][3] = 0.f;
 
-      // Register double buffer: the next U chunks are in flight while this U are dequantized and multiplied.
       uint4 cw[U];
       u32 cs[U];
 #pragma unroll
@@ -155,9 +187,25 @@ __global__ void __launch_bounds__(256) moe_int4_gemm(
         if (u < C) { cw[u] = ld_stream(wt + (size_t)u * 32); cs[u] = ld_stream32(st + (size_t)u * 16); }
         else { cw[u] = make_uint4(0u, 0u, 0u, 0u); cs[u] = 0u; }
       }
+      if (PF > 0) {                                  // chunks U .. 2U+PF-1; the loop then adds U per stage
+#pragma unroll
+        for (int c = U; c < 2 * U + PF; ++c)
+          if (c < C) { prefetch_l2(wt + (size_t)c * 32); prefetch_l2(st + (size_t)c * 16); }
+      }
       for (int c0 = 0; c0 < C; c0 += U) {
         uint4 nw[U];
         u32 ns[U];
+        if (PF > 0) {
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            const int c = c0 + 2 * U + PF + u;
+            if (c < C) { prefetch_l2(wt + (size_t)c * 32); prefetch_l2(st + (size_t)c * 16); }
+            else if (next_wt != nullptr && c - C < C) {
+              prefetch_l2(next_wt + (size_t)(c - C) * 32);
+              prefetch_l2(next_st + (size_t)(c - C) * 16);
+            }
+          }
+        }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int c = c0 + U + u;
@@ -165,27 +213,32 @@ __global__ void __launch_bounds__(256) moe_int4_gemm(
           else { nw[u] = make_uint4(0u, 0u, 0u, 0u); ns[u] = 0u; }
         }
 #pragma unroll
-        for (int u = 0; u < U; ++u)
-          if (c0 + u < C) mma_chunk<NT>(acc, cw[u], cs[u], xrow, c0 + u);
+        for (int u0 = 0; u0 < U; u0 += XB) {
+          uint4 xa[XB][NT], xb[XB][NT];
+          load_act<NT, XB>(xa, xb, xrow, c0 + u0, C);
+#pragma unroll
+          for (int u = 0; u < XB; ++u)
+            if (c0 + u0 + u < C) mma_chunk<NT>(acc, cw[u0 + u], cs[u0 + u], xa[u], xb[u]);
+        }
 #pragma unroll
         for (int u = 0; u < U; ++u) { cw[u] = nw[u]; cs[u] = ns[u]; }
       }
 
-      // C fragment: acc[j][0..1] = row g, columns 2t, 2t+1; acc[j][2..3] = row g+8, same columns.
+      // C fragment: acc[.][j][0..1] = row g, columns 2t, 2t+1; acc[.][j][2..3] = row g+8, same columns.
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int n = n0 + j * 8 + 2 * t + half;
           if (n >= cnt) continue;
+          const float lo = acc[0][j][half] + acc[1][j][half], hi = acc[0][j][2 + half] + acc[1][j][2 + half];
           if (EPI == 0) {
-            const float gate = acc[j][half], up = acc[j][2 + half];
-            const float h = gate / (1.f + __expf(-gate)) * up;
+            const float h = lo / (1.f + __expf(-lo)) * hi;            // silu(gate) * up
             static_cast<u16*>(out)[(size_t)(base + n) * ld_out + r * 8 + g] = f2bf(h);
           } else {
             float* y = static_cast<float*>(out) + (size_t)(base + n) * ld_out + r * 16;
-            y[g] = acc[j][half];
-            y[g + 8] = acc[j][2 + half];
+            y[g] = lo;
+            y[g + 8] = hi;
           }
         }
       }
@@ -225,10 +278,11 @@ __global__ void __launch_bounds__(256) moe_combine(
 }
 
 #ifdef MOE_NVCC_CHECK   // nvcc -cubin syntax/resource check of the variants optimized/moe.py instantiates
-#define GEMM(NT, U, EPI) template __global__ void moe_int4_gemm<NT, U, EPI>(const uint4*, const u32*, \
-    const u16*, int, const int*, const int*, int, const int*, void*, int, int, int);
-GEMM(1, 4, 0) GEMM(1, 4, 1) GEMM(1, 8, 0) GEMM(1, 8, 1) GEMM(2, 4, 0) GEMM(2, 4, 1)
-GEMM(4, 2, 0) GEMM(4, 2, 1)
+#define GEMM(NT, U, XB, PF, EPI) template __global__ void moe_int4_gemm<NT, U, XB, PF, EPI>(const uint4*, \
+    const u32*, const u16*, int, const int*, const int*, int, const int*, void*, int, int, int);
+#define BOTH(NT, U, XB, PF) GEMM(NT, U, XB, PF, 0) GEMM(NT, U, XB, PF, 1)
+BOTH(1, 4, 4, 0) BOTH(1, 4, 4, 16) BOTH(1, 4, 1, 16) BOTH(1, 2, 2, 16) BOTH(2, 4, 2, 16) BOTH(2, 2, 2, 16)
+BOTH(4, 1, 1, 16)
 template __global__ void moe_combine<0>(const float*, const int*, const float*, const u16*, int, int, void*);
 template __global__ void moe_combine<1>(const float*, const int*, const float*, const u16*, int, int, void*);
 #endif
