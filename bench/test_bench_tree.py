@@ -1,9 +1,12 @@
 """Tree path on the GPU (issue 5): draft logits [L, V] on the device -> compiled tree on the device, by the
 Numba kernels (optimized/tree_numba.py) against the reference path on the same device logits (torch sort,
-copy to host, Python heap, copy back; reference/tree.py). V = 163,840; L = 7 and 15; budgets 16..1024.
+copy to host, Python heap, copy back; reference/tree.py). V = 163,840; L = 7 and 15; budgets 16..1024; two
+kinds of logits: "normal" (N(0, 3^2): flat, shallow trees) and "draftlike" (one favourite per depth with top-1
+probability ~0.6..0.995: deep trees, the beam runs every depth).
 
 Times (CUDA events, warm-up, median of 100; extra_info, microseconds):
   eager_us   launches as a synchronous caller issues them (Numba's per-launch CPU cost included)
+  topk_device_us, beam_device_us, compile_device_us: the stages alone (device execution)
   device_us  device execution only: a spin kernel is queued first so the CPU has issued every launch
              before the GPU starts (the engine's case: the CPU runs ahead of the GPU)
   graph_us   one replay of the path captured in a CUDA graph (graph_error says why when capture fails)
@@ -37,29 +40,39 @@ def _write_summary(info: dict) -> None:
         json.dump({"provenance": info, "results": ROWS}, f, indent=1)
     lines = [f"# Tree path on {info.get('gpu', '?')} ({day}, commit {info.get('commit', '?')})", "",
              "V = 163,840; draft logits on the device -> compiled tree on the device. Microseconds (median).",
-             "", "| L | budget | device | eager | graph | reference | ratio (device) | goal |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "", "| logits | L | budget | tree depth | device | top-K | beam | compile | eager | graph | reference | ratio (device) | goal |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in ROWS:
         graph = f"{r['graph_us']:.1f}" if r["graph_us"] is not None else "failed"
-        lines.append(f"| {r['depth']} | {r['budget']} | {r['device_us']:.1f} | {r['eager_us']:.1f} | {graph} | "
+        lines.append(f"| {r['kind']} | {r['depth']} | {r['budget']} | {r['tree_depth']} | {r['device_us']:.1f} | {r['topk_device_us']:.1f} | "
+                     f"{r['beam_device_us']:.1f} | {r['compile_device_us']:.1f} | {r['eager_us']:.1f} | {graph} | "
                      f"{r['reference_us']:.0f} | {r['ratio_device']:.0f}x | {r['goal_us']} |")
     with open(os.path.join(out, f"tree_{day}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
 
+@pytest.mark.parametrize("kind", ["normal", "draftlike"])
 @pytest.mark.parametrize("depth", [7, 15])
 @pytest.mark.parametrize("budget", [16, 64, 256, 1024])
-def test_tree_device_path(benchmark, provenance, depth, budget):
+def test_tree_device_path(benchmark, provenance, depth, budget, kind):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from optimized import tree_numba as opt
     assert opt.backend() == "cuda"
     info = dict(provenance)                      # provenance only, before the row is added
-    x = logits("normal", depth, VOCAB, depth * 7 + budget, device="cuda")
+    x = logits(kind, depth, VOCAB, depth * 7 + budget, device="cuda")
     fn = device_path(opt, x, budget)
     eager = event_median(fn)
     device = event_median(fn, ahead=True)
     build_only = event_median(lambda: opt.build_tree(x, budget), ahead=True)
+    k = min(budget, VOCAB)                       # per-stage device times (the workspace build_tree used)
+    ws = [w for key, w in opt._workspaces.items() if key[1:5] == (depth, VOCAB, k, budget)][-1]
+    xa, s, cfg = opt._arr(x.float().contiguous()), opt._stream(x.device), opt.DEFAULT_CONFIG
+    outs = [torch.empty(budget, dtype=dt, device="cuda") for dt in (torch.long,) * 3 + (torch.float64,)]
+    topk = event_median(lambda: opt._topk_stage(xa, VOCAB, k, ws, cfg, s), ahead=True)
+    beam = event_median(lambda: opt._beam_stage(k, budget, ws, cfg, s, *outs), ahead=True)
+    tree = opt.build_tree(x, budget)
+    compile_ = event_median(lambda: opt.compile_tree(tree, 0, 1000), ahead=True)
     graph, graph_error = None, None
     try:
         graph = graph_median(fn)
@@ -71,8 +84,9 @@ def test_tree_device_path(benchmark, provenance, depth, budget):
         fn()
         torch.cuda.synchronize()
     benchmark.pedantic(run, rounds=30, warmup_rounds=3)
-    row = dict(depth=depth, budget=budget, vocab=VOCAB, eager_us=eager * 1e6, device_us=device * 1e6,
-               build_device_us=build_only * 1e6, graph_us=None if graph is None else graph * 1e6,
+    row = dict(kind=kind, depth=depth, budget=budget, vocab=VOCAB, tree_depth=int(tree.depths.max()), eager_us=eager * 1e6, device_us=device * 1e6,
+               build_device_us=build_only * 1e6, topk_device_us=topk * 1e6, beam_device_us=beam * 1e6,
+               compile_device_us=compile_ * 1e6, graph_us=None if graph is None else graph * 1e6,
                graph_error=graph_error, reference_us=reference * 1e6, ratio_eager=reference / eager,
                ratio_device=reference / device, ratio_graph=None if graph is None else reference / graph,
                goal_us=40 if budget <= 256 else 100, floor_us=depth * VOCAB * 4 / 4.24e12 * 1e6)

@@ -40,6 +40,9 @@ def logits(kind: str, depth: int, vocab: int, seed: int, device="cpu") -> torch.
     elif kind == "masked":
         x[torch.rand(depth, vocab, generator=g) < 0.5] = float("-inf")
         x[:, -1] = 1.0
+    elif kind == "draftlike":             # one favourite per depth, top-1 probability ~0.6 to ~0.995
+        top = torch.randint(0, vocab, (depth,), generator=g)
+        x[torch.arange(depth), top] += 17 + 5 * torch.rand(depth, generator=g)
     return x.to(device)
 
 
@@ -120,14 +123,14 @@ def check_follow_and_commit(opt, tree: ref.Tree, seed: int) -> None:
 # ---- timing (shared with bench/test_bench_tree.py) ----------------------------------------------------------
 
 def event_median(fn, warmup: int = 10, reps: int = 100, ahead: bool = False) -> float:
-    """Median seconds of fn() between CUDA events. ahead=True first enqueues a ~2 ms spin kernel so the CPU
-    finishes launching before the GPU starts: the events then see device execution only (no launch gaps)."""
+    """Median seconds of fn() between CUDA events. ahead=True first enqueues a spin kernel so the CPU
+    finishes launching before the GPU starts (~4 ms of slack): the events then see device execution only (no launch gaps)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
         if ahead:
-            torch.cuda._sleep(4_000_000)
+            torch.cuda._sleep(8_000_000)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

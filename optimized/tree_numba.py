@@ -139,6 +139,7 @@ class _Workspace:
         self.hist = torch.zeros(depth, 3, 2048, dtype=torch.int32, **z)
         self.sel = torch.zeros(depth, 4, dtype=torch.int64, **z)
         self.counters = torch.zeros(depth, 2, dtype=torch.int32, **z)
+        self.done = torch.zeros(depth, dtype=torch.int32, **z)
         self.cand = torch.empty(depth, k, dtype=torch.int64, **z)
         self.eq_ids = torch.empty(depth, self.parts, k, dtype=torch.int32, **z)
         self.eq_cnt = torch.empty(depth, self.parts, dtype=torch.int32, **z)
@@ -147,13 +148,12 @@ class _Workspace:
         cap = staircase(k, budget)
         cap2 = 1 << max(cap - 1, 0).bit_length()
         self.g_tup = torch.empty(2, budget, 3, dtype=torch.int64, **z)
-        self.g_dep = torch.empty(2, budget, dtype=torch.int32, **z)
         self.new_tup = torch.empty(max(cap, 1), 3, dtype=torch.int64, **z)
         self.new_score = torch.empty(cap2, dtype=torch.float64, **z)
         self.new_perm = torch.empty(cap2, dtype=torch.int32, **z)
         self.count = torch.zeros(1, dtype=torch.int64, **z)
-        names = ("part_m", "part_s", "lse", "hist", "sel", "counters", "cand", "eq_ids", "eq_cnt", "top_lp",
-                 "top_id", "g_tup", "g_dep", "new_tup", "new_score", "new_perm", "count")
+        names = ("part_m", "part_s", "lse", "hist", "sel", "counters", "done", "cand", "eq_ids", "eq_cnt",
+                 "top_lp", "top_id", "g_tup", "new_tup", "new_score", "new_perm", "count")
         self.a = {name: _arr(getattr(self, name)) for name in names}
 
 
@@ -167,6 +167,26 @@ def _workspace(device, depth, vocab, k, budget, cfg) -> _Workspace:
             _workspaces.clear()
         _workspaces[key] = _Workspace(device, depth, vocab, k, budget, cfg)
     return _workspaces[key]
+
+
+def _topk_stage(x, vocab: int, k: int, ws: _Workspace, cfg: Config, s) -> None:
+    """Five launches: ws.top_lp / ws.top_id [L, K] = the per-depth candidates by rank."""
+    a = ws.a
+    grid, tpb = (ws.parts, a["lse"].shape[0]), cfg.topk_threads
+    topk_stats[grid, tpb, s](x, vocab, ws.chunk, a["part_m"], a["part_s"], a["lse"], a["hist"], a["counters"],
+                             a["done"])
+    for level in range(3):
+        topk_hist[grid, tpb, s](x, vocab, ws.chunk, a["lse"], a["hist"], a["sel"], level, k)
+    topk_gather[grid, tpb, s](x, vocab, ws.chunk, a["lse"], a["hist"], a["sel"], k, a["counters"], a["cand"],
+                              a["eq_ids"], a["eq_cnt"], a["top_lp"], a["top_id"])
+
+
+def _beam_stage(k: int, budget: int, ws: _Workspace, cfg: Config, s, tokens, depths, parents, scores) -> None:
+    """One launch: the first `budget` nodes in order into tokens/depths/parents/scores [budget]."""
+    a = ws.a
+    beam[1, cfg.beam_threads, s](a["top_lp"], a["top_id"], k, budget, a["g_tup"], a["new_tup"], a["new_score"],
+                                 a["new_perm"], _arr(tokens), _arr(depths), _arr(parents), _arr(scores),
+                                 a["count"])
 
 
 def build_tree(draft_logits: torch.Tensor, budget: int, *, check_values: bool = False,
@@ -188,22 +208,14 @@ def build_tree(draft_logits: torch.Tensor, budget: int, *, check_values: bool = 
     k = min(budget, vocab)
     n = node_count(depth, k, budget)
     ws = _workspace(device, depth, vocab, k, budget, cfg)
-    a = ws.a
     x = _arr(draft_logits.float().contiguous())
     s = _stream(device)
-    grid, tpb = (ws.parts, depth), cfg.topk_threads
-    topk_stats[grid, tpb, s](x, vocab, ws.chunk, a["part_m"], a["part_s"], a["hist"], a["counters"])
-    for level in range(3):
-        topk_hist[grid, tpb, s](x, vocab, ws.chunk, a["part_m"], a["part_s"], a["lse"], a["hist"], a["sel"], level, k)
-    topk_gather[grid, tpb, s](x, vocab, ws.chunk, a["lse"], a["hist"], a["sel"], k, a["counters"],
-                              a["cand"], a["eq_ids"], a["eq_cnt"], a["top_lp"], a["top_id"])
+    _topk_stage(x, vocab, k, ws, cfg, s)
     tokens = torch.empty(budget, dtype=torch.long, device=device)
     depths = torch.empty(budget, dtype=torch.long, device=device)
     parents = torch.empty(budget, dtype=torch.long, device=device)
     scores = torch.empty(budget, dtype=torch.float64, device=device)
-    beam[1, cfg.beam_threads, s](a["top_lp"], a["top_id"], k, budget, a["g_tup"], a["g_dep"], a["new_tup"],
-                                 a["new_score"], a["new_perm"], _arr(tokens), _arr(depths), _arr(parents),
-                                 _arr(scores), a["count"])
+    _beam_stage(k, budget, ws, cfg, s, tokens, depths, parents, scores)
     if check_values and int(ws.count.item()) != n:
         raise RuntimeError(f"GPU tree build produced {int(ws.count.item())} nodes, expected {n}")
     return Tree(tokens=tokens[:n], depths=depths[:n], parents=parents[:n], scores=scores[:n])

@@ -19,7 +19,7 @@ Algorithm (exact; G_d = the first B prefixes of depth <= d, kept sorted in share
         if new is empty: stop (no depth-d member, so no deeper one either)
         sort new (bitonic on an index permutation), merge with G by binary-search ranks, keep the first B
     output G in order; parents found by binary search for the parent key (score - lp, tuple minus a digit).
-Shared memory: ~44 KB (lp row, two score buffers, the new candidates' scores and permutation while they
+Shared memory: ~43 KB (lp row, two score and depth buffers, the new candidates' scores and permutation while they
 number <= 1024, offsets and parents). Tuples and larger candidate sets live in global scratch.
 """
 from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shim)
@@ -117,7 +117,7 @@ def count_g_before(gs, g_tup, cur, m, s, t0, t1, t2):
 
 
 @cuda.jit
-def beam(top_lp, top_id, k, budget, g_tup, g_dep, nt, ns_g, pm_g, out_tok, out_dep, out_par, out_score,
+def beam(top_lp, top_id, k, budget, g_tup, nt, ns_g, pm_g, out_tok, out_dep, out_par, out_score,
          out_n):
     tid = cuda.threadIdx.x
     T = cuda.blockDim.x
@@ -127,6 +127,7 @@ def beam(top_lp, top_id, k, budget, g_tup, g_dep, nt, ns_g, pm_g, out_tok, out_d
     pm_s = cuda.shared.array(NEWSH, np.int32)
     off = cuda.shared.array(BMAX, np.int32)           # per-parent offset into the new candidates
     par = cuda.shared.array(BMAX, np.int32)           # G index of each parent
+    g_dep = cuda.shared.array(GS, np.int8)            # G depths, two buffers
     tmp = cuda.shared.array(32, np.int64)
     buf = cuda.shared.array(TBUF, np.int64)
     depth = top_lp.shape[0]
@@ -136,7 +137,7 @@ def beam(top_lp, top_id, k, budget, g_tup, g_dep, nt, ns_g, pm_g, out_tok, out_d
         g_tup[0, r, 0] = np.int64(r + 1) << (DIGIT * (PER_WORD - 1))
         g_tup[0, r, 1] = 0
         g_tup[0, r, 2] = 0
-        g_dep[0, r] = 1
+        g_dep[r] = 1
     cur = 0
     for e in range(1, depth):                         # children at depth e + 1, lp row e
         cuda.syncthreads()
@@ -145,7 +146,7 @@ def beam(top_lp, top_id, k, budget, g_tup, g_dep, nt, ns_g, pm_g, out_tok, out_d
         npar = np.int64(0)
         for c in range(0, m, T):                      # parents: G members at depth e, in order
             i = c + tid
-            flag = 1 if i < m and g_dep[cur, i] == e else 0
+            flag = 1 if i < m and g_dep[cur * BMAX + i] == e else 0
             ex, tot = block_scan(flag, tmp, buf)
             if flag == 1:
                 par[npar + ex] = i
@@ -227,7 +228,7 @@ def beam(top_lp, top_id, k, budget, g_tup, g_dep, nt, ns_g, pm_g, out_tok, out_d
                 g_tup[nxt, pos, 0] = t0
                 g_tup[nxt, pos, 1] = t1
                 g_tup[nxt, pos, 2] = t2
-                g_dep[nxt, pos] = g_dep[cur, i]
+                g_dep[nxt * BMAX + pos] = g_dep[cur * BMAX + i]
         for q in range(tid, min(nnew, budget), T):    # ... and the new ones by the G before them
             x = pm[q]
             s = ns[x]
@@ -238,14 +239,14 @@ def beam(top_lp, top_id, k, budget, g_tup, g_dep, nt, ns_g, pm_g, out_tok, out_d
                 g_tup[nxt, pos, 0] = t0
                 g_tup[nxt, pos, 1] = t1
                 g_tup[nxt, pos, 2] = t2
-                g_dep[nxt, pos] = e + 1
+                g_dep[nxt * BMAX + pos] = e + 1
         m = min(budget, m + nnew)
         cur = nxt
     cuda.syncthreads()
     for i in range(tid, m, T):                        # output in order; parents by key search
         s = gs[cur * BMAX + i]
         t0, t1, t2 = g_tup[cur, i, 0], g_tup[cur, i, 1], g_tup[cur, i, 2]
-        d = g_dep[cur, i]
+        d = np.int64(g_dep[cur * BMAX + i])
         r = digit_of(t0, t1, t2, d - 1)
         out_tok[i] = top_id[d - 1, r]
         out_dep[i] = d

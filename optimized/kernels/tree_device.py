@@ -119,18 +119,3 @@ def sortable_key(f):
     if b < 0:
         return np.int64(0x7FFFFFFF) - (b & 0x7FFFFFFF)
     return np.int64(0x80000000) + b
-
-
-@cuda.jit(device=True)
-def lse_of_row(part_m, part_s, row, nparts):
-    """logsumexp of a row from its per-chunk (max, sum exp(x - max)) partials, combined in chunk order so that
-    every block computing it gets the same bits."""
-    m = -math.inf
-    for p in range(nparts):
-        if part_m[row, p] > m:
-            m = part_m[row, p]
-    s = 0.0
-    for p in range(nparts):
-        if part_s[row, p] > 0.0:
-            s += part_s[row, p] * math.exp(part_m[row, p] - m)
-    return m + math.log(s)
