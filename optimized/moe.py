@@ -51,8 +51,8 @@ __all__ = ["MoEWeights", "Grouping", "compile_target", "repack", "unrepack", "pa
 _KERNELS = Path(__file__).resolve().parent / "kernels"
 # (NT n-tiles of 8 tokens per pass, U chunks per register stage, XB chunks per activation batch, PF chunks of L2
 # prefetch beyond the register stage): the instantiations compiled (each also in the .cu's MOE_NVCC_CHECK list).
-GEMM_VARIANTS = ((1, 4, 4, 0), (1, 4, 4, 16), (1, 4, 1, 16), (1, 2, 2, 16), (2, 4, 2, 16), (2, 2, 2, 16),
-                 (4, 1, 1, 16))
+GEMM_VARIANTS = ((1, 4, 4, 0), (1, 4, 4, 8), (1, 4, 4, 16), (1, 4, 1, 16), (1, 2, 2, 8), (1, 2, 2, 16),
+                 (2, 4, 2, 16), (2, 2, 2, 16), (4, 1, 1, 16))
 _WARPS = 8
 
 

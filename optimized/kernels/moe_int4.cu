@@ -282,7 +282,7 @@ __global__ void __launch_bounds__(256) moe_combine(
     const u32*, const u16*, int, const int*, const int*, int, const int*, void*, int, int, int);
 #define BOTH(NT, U, XB, PF) GEMM(NT, U, XB, PF, 0) GEMM(NT, U, XB, PF, 1)
 BOTH(1, 4, 4, 0) BOTH(1, 4, 4, 16) BOTH(1, 4, 1, 16) BOTH(1, 2, 2, 16) BOTH(2, 4, 2, 16) BOTH(2, 2, 2, 16)
-BOTH(4, 1, 1, 16)
+BOTH(4, 1, 1, 16) BOTH(1, 4, 4, 8) BOTH(1, 2, 2, 8)
 template __global__ void moe_combine<0>(const float*, const int*, const float*, const u16*, int, int, void*);
 template __global__ void moe_combine<1>(const float*, const int*, const float*, const u16*, int, int, void*);
 #endif
