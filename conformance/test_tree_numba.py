@@ -189,6 +189,54 @@ def test_simulator_suite():
     print(f"simulator suite: {tail.splitlines()[-1]} ({time.time() - t0:.0f} s)")
 
 
+PTX_CHECK = r"""
+import subprocess, sys, types as _t
+import numba.cuda.dispatcher as D
+D.get_current_device = lambda: _t.SimpleNamespace(compute_capability=(9, 0))   # no GPU needed to compile
+from numba import cuda, types
+from optimized.kernels import tree_beam as B, tree_topk as K, tree_verify as V
+A = lambda dt, nd: types.Array(dt, nd, "C")
+i64, f32, f64, i32, i16 = types.int64, types.float32, types.float64, types.int32, types.int16
+kernels = {
+    "topk_stats": (K.topk_stats, (A(f32, 2), i64, i64, A(f64, 2), A(f64, 2), A(f64, 1), A(i32, 3), A(i32, 2),
+                                  A(i32, 1))),
+    "topk_hist": (K.topk_hist, (A(f32, 2), i64, i64, A(f64, 1), A(i32, 3), A(i64, 2), i64, i64)),
+    "topk_gather": (K.topk_gather, (A(f32, 2), i64, i64, A(f64, 1), A(i32, 3), A(i64, 2), i64, A(i32, 2),
+                                    A(i64, 2), A(i32, 3), A(i32, 2), A(f32, 2), A(i64, 2))),
+    "beam": (B.beam, (A(f32, 2), A(i64, 2), i64, i64, A(i64, 3), A(i64, 2), A(f64, 1), A(i32, 1), A(i64, 1),
+                      A(i64, 1), A(i64, 1), A(f64, 1), A(i64, 1))),
+    "compile_rows": (V.compile_rows, (A(i64, 1),) * 4 + (i64,) + (A(i64, 1),) * 4
+                     + (A(types.boolean, 2), A(i32, 2))),
+    "follow": (V.follow, (A(i64, 1),) * 6),
+    "commit_kv": (V.commit_kv, (A(i16, 2), i64, A(i64, 1), A(i64, 1))),
+    "gather_rows": (V.gather_rows, (A(i16, 2), A(i64, 1), A(i64, 1), A(i16, 2))),
+}
+for name, (kernel, sig) in kernels.items():
+    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
+    print(name, "ok", len(ptx))
+"""
+
+
+def test_kernels_compile_for_sm90_without_a_gpu():
+    """Type-check every kernel for the real CUDA target (the simulator does not type anything): compile to
+    PTX for sm_90 in a subprocess. Needs NVVM and NVRTC (CUDA toolkit or the nvidia-cuda-nvrtc wheel)."""
+    if SIM_CHILD:
+        pytest.skip("runs in the parent process")
+    pytest.importorskip("numba_cuda", reason="numba-cuda is not installed (pip install numba-cuda)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", PTX_CHECK], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
+    out = proc.stdout + proc.stderr
+    missing = ("nvrtc", "nvvm", "cudasupporterror", "dynamiclibnotfounderror")
+    if proc.returncode != 0 and any(s in out.lower() for s in missing):
+        pytest.skip("no NVVM/NVRTC to compile with (install the CUDA toolkit or nvidia-cuda-nvrtc): "
+                    + out.strip().splitlines()[-1][:200])
+    assert proc.returncode == 0, out[-3000:]
+    assert out.count(" ok ") == 8, out
+
+
 sim_only = pytest.mark.skipif(not SIM_CHILD, reason="runs inside test_simulator_suite's subprocess")
 
 
