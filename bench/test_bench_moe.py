@@ -181,7 +181,7 @@ def markdown(res) -> str:
         names = sorted({tuple(v["variant"]) for v in res["variants"]})
         ts = sorted({v["tokens"] for v in res["variants"]})
         us = {(v["tokens"], tuple(v["variant"])): v["us"] for v in res["variants"]}
-        lines += ["Kernel variants (NT, U, XB, PF): routed µs, same run (default marked *)", "",
+        lines += ["Kernel variants (NT, U, XB): routed µs, same run (default marked *)", "",
                   "| T | " + " | ".join(str(n) for n in names) + " |", "|---" * (len(names) + 1) + "|"]
         for t in ts:
             best = moe_k.pick_variant(t, 8, 384)

@@ -49,10 +49,10 @@ __all__ = ["MoEWeights", "Grouping", "compile_target", "repack", "unrepack", "pa
            "group_tokens", "pick_variant", "gate_up", "down", "combine", "moe_routed", "shared_expert", "moe_forward"]
 
 _KERNELS = Path(__file__).resolve().parent / "kernels"
-# (NT n-tiles of 8 tokens per pass, U chunks per register stage, XB chunks per activation batch, PF chunks of L2
-# prefetch beyond the register stage): the instantiations compiled (each also in the .cu's MOE_NVCC_CHECK list).
-GEMM_VARIANTS = ((1, 4, 4, 0), (1, 4, 4, 8), (1, 4, 4, 16), (1, 4, 1, 16), (1, 2, 2, 8), (1, 2, 2, 16),
-                 (2, 4, 2, 16), (2, 2, 2, 16), (4, 1, 1, 16))
+# (NT n-tiles of 8 tokens per pass, U chunks per register stage, XB chunks per activation batch): the
+# instantiations compiled (each also in the .cu's MOE_NVCC_CHECK list). (1, 4, 4) was the fastest on the H200 at
+# every T from 1 to 256 (bench/results/moe_int4.md); NT=4 serves experts with > 32 tokens.
+GEMM_VARIANTS = ((1, 4, 4), (1, 4, 1), (1, 2, 2), (4, 1, 1))
 _WARPS = 8
 
 
@@ -346,19 +346,17 @@ def group_tokens(idx: torch.Tensor, weights: MoEWeights) -> Grouping:
 
 
 def _gemm_name(variant, epi: int) -> str:
-    return "moe_int4_gemm<%d,%d,%d,%d,%d>" % (*variant, epi)
+    return "moe_int4_gemm<%d,%d,%d,%d>" % (*variant, epi)
 
 
 def pick_variant(tokens: int, top_k: int, n_experts: int):
-    """NT: enough n-tiles for the likely largest expert (mean + 3 sigma of uniform routing, at most T). With few
-    pairs (T*K <= 16) each warp owns one long 16-row tile, so the per-warp chain decides: batch activations 4
-    chunks deep; otherwise occupancy decides: the 72-register variant (24 warps per SM). Every variant prefetches
-    16 chunks into L2."""
+    """(NT, U, XB) for a call. NT=1 (8-token passes) with activations batched 4 chunks deep measured fastest at
+    every T from 1 to 256 under near-uniform routing (H200, bench/results/moe_int4.md): with 1-15 tokens per
+    expert the weight stream, not the tokens, is the cost. Only when the likely largest expert (mean + 3 sigma
+    of uniform routing, at most T) needs more than 4 passes do wider n-tiles take over (not yet timed)."""
     m = tokens * top_k / max(1, n_experts)
     need = min(tokens, m + 3 * math.sqrt(m) + 1)
-    if need <= 8:
-        return (1, 4, 4, 16) if tokens * top_k <= 16 else (1, 2, 2, 16)
-    return (2, 4, 2, 16) if need <= 16 else (4, 1, 1, 16)
+    return (1, 4, 4) if need <= 32 else (4, 1, 1)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,12 +1,12 @@
 // INT4 (W4A16) grouped expert GEMMs for Kimi K2.6-class MoE layers, tensor cores through mma.sync.
 //
 // Kernels
-//   moe_int4_gemm<NT, U, XB, PF, EPI>  one warp = one work item = (active expert, 16-row weight tile), full K.
+//   moe_int4_gemm<NT, U, XB, EPI>  one warp = one work item = (active expert, 16-row weight tile), full K.
 //       EPI 0 (gate+up): the tile holds 8 gate rows and the 8 up rows of the same intermediate channels, so
 //             SwiGLU happens in registers: h[pos, 8*tile + g] = bf16(silu(gate) * up).
 //       EPI 1 (down):    y[pos, 16*tile + row] = fp32 result (combined later, deterministically).
 //       NT n-tiles of 8 tokens per pass; U weight chunks per register stage (double-buffered); XB chunks of
-//       activations loaded together; PF chunks of L2 prefetch beyond the register stage.
+//       activations loaded together.
 //   moe_combine<OUT_BF16>  out[t, :] = sum_k w[t,k] * y[pos(t,k), :] (+ add[t, :]), fp32 sums, k ascending.
 //
 // Weight layout (made once at load by optimized/moe.py `repack`; see its docstring for the full story):
@@ -30,7 +30,8 @@
 //   7.0 GB -> 1.66 ms.  Flops 2*3*7168*2048 = 88 MFLOP per token-expert pair: 45 GFLOP at T=64 (~0.1 ms of
 //   mma.sync), so T <= ~1000 stays bandwidth-bound.  Per 512-byte chunk a warp issues ~64 ALU (LOP3, SHF,
 //   HSUB2, HMUL2) + 4*NT HMMA: ~27 us of issue at T=1 spread over 132 SMs, under the 47 us byte floor.
-//   Expected bound: HBM bandwidth.
+//   Expected bound: HBM bandwidth.  Measured (H200, variant (1,4,4)): T=1 82 us = 57% of 4.24 TB/s, T=8..128
+//   76-80%, T=256 68% (bench/results/moe_int4.md); T=1 is bound by per-warp chains and fixed launch costs.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -46,10 +47,6 @@ __device__ __forceinline__ u32 ld_stream32(const u32* p) {
   u32 v;
   asm("ld.global.nc.L1::no_allocate.L2::256B.u32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
-}
-
-__device__ __forceinline__ void prefetch_l2(const void* p) {  // DRAM -> L2 early: bytes in flight cost no registers
-  asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
 }
 
 __device__ __forceinline__ uint4 ld_act(const void* p) {           // activations: reused by the block's warps
@@ -130,9 +127,9 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[2][NT][4], uint4 w, u32 s
 }
 
 // NT n-tiles of 8 tokens per pass, U weight chunks per register stage (the next stage is in flight while this
-// one is multiplied), XB chunks per activation batch (U % XB == 0), and an L2 prefetch PF chunks beyond the next
-// register stage (0: none), which keeps ~(U + PF) * 576 bytes per warp in flight without holding registers.
-template <int NT, int U, int XB, int PF, int EPI>
+// one is multiplied), XB chunks per activation batch (U % XB == 0). (An L2 prefetch 8-16 chunks ahead, including
+// the warp's next item, was measured 5-25% slower on the H200 at every T and removed: bench/results/moe_notes.md.)
+template <int NT, int U, int XB, int EPI>
 __global__ void __launch_bounds__(256, (NT == 1 && U <= 2) ? 3 : 2) moe_int4_gemm(
     const uint4* __restrict__ wq,        // [L, R, C, 32]
     const u32* __restrict__ ws,          // [L, R, C, 16]
@@ -155,14 +152,6 @@ __global__ void __launch_bounds__(256, (NT == 1 && U <= 2) ? 3 : 2) moe_int4_gem
     const size_t tile = (size_t)e * R + r;
     const uint4* wt = wq + tile * C * 32 + lane;
     const u32* st = ws + tile * C * 16 + (g * 2 + (t >> 1));
-    const uint4* next_wt = nullptr;          // this warp's next item: its first chunks are prefetched while the
-    const u32* next_st = nullptr;            // current item ends, so the item switch does not drain the pipe
-    if (PF > 0 && item + warps < n_items) {
-      const int a2 = (item + warps) / R, r2 = (item + warps) - a2 * R;
-      const size_t tile2 = (size_t)active[a2] * R + r2;
-      next_wt = wq + tile2 * C * 32 + lane;
-      next_st = ws + tile2 * C * 16 + (g * 2 + (t >> 1));
-    }
     for (int n0 = 0; n0 < cnt; n0 += NT * 8) {
       const u16* xrow[NT];
 #pragma unroll
@@ -187,25 +176,9 @@ __global__ void __launch_bounds__(256, (NT == 1 && U <= 2) ? 3 : 2) moe_int4_gem
         if (u < C) { cw[u] = ld_stream(wt + (size_t)u * 32); cs[u] = ld_stream32(st + (size_t)u * 16); }
         else { cw[u] = make_uint4(0u, 0u, 0u, 0u); cs[u] = 0u; }
       }
-      if (PF > 0) {                                  // chunks U .. 2U+PF-1; the loop then adds U per stage
-#pragma unroll
-        for (int c = U; c < 2 * U + PF; ++c)
-          if (c < C) { prefetch_l2(wt + (size_t)c * 32); prefetch_l2(st + (size_t)c * 16); }
-      }
       for (int c0 = 0; c0 < C; c0 += U) {
         uint4 nw[U];
         u32 ns[U];
-        if (PF > 0) {
-#pragma unroll
-          for (int u = 0; u < U; ++u) {
-            const int c = c0 + 2 * U + PF + u;
-            if (c < C) { prefetch_l2(wt + (size_t)c * 32); prefetch_l2(st + (size_t)c * 16); }
-            else if (next_wt != nullptr && c - C < C) {
-              prefetch_l2(next_wt + (size_t)(c - C) * 32);
-              prefetch_l2(next_st + (size_t)(c - C) * 16);
-            }
-          }
-        }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int c = c0 + U + u;
@@ -278,11 +251,10 @@ __global__ void __launch_bounds__(256) moe_combine(
 }
 
 #ifdef MOE_NVCC_CHECK   // nvcc -cubin syntax/resource check of the variants optimized/moe.py instantiates
-#define GEMM(NT, U, XB, PF, EPI) template __global__ void moe_int4_gemm<NT, U, XB, PF, EPI>(const uint4*, \
-    const u32*, const u16*, int, const int*, const int*, int, const int*, void*, int, int, int);
-#define BOTH(NT, U, XB, PF) GEMM(NT, U, XB, PF, 0) GEMM(NT, U, XB, PF, 1)
-BOTH(1, 4, 4, 0) BOTH(1, 4, 4, 16) BOTH(1, 4, 1, 16) BOTH(1, 2, 2, 16) BOTH(2, 4, 2, 16) BOTH(2, 2, 2, 16)
-BOTH(4, 1, 1, 16) BOTH(1, 4, 4, 8) BOTH(1, 2, 2, 8)
+#define GEMM(NT, U, XB, EPI) template __global__ void moe_int4_gemm<NT, U, XB, EPI>(const uint4*, const u32*, \
+    const u16*, int, const int*, const int*, int, const int*, void*, int, int, int);
+#define BOTH(NT, U, XB) GEMM(NT, U, XB, 0) GEMM(NT, U, XB, 1)
+BOTH(1, 4, 4) BOTH(1, 4, 1) BOTH(1, 2, 2) BOTH(4, 1, 1)
 template __global__ void moe_combine<0>(const float*, const int*, const float*, const u16*, int, int, void*);
 template __global__ void moe_combine<1>(const float*, const int*, const float*, const u16*, int, int, void*);
 #endif
