@@ -351,6 +351,7 @@ def test_gpu_compile_follow_commit(gpu, budget):
 
 
 @pytest.mark.gpu
+@pytest.mark.speed
 @pytest.mark.parametrize("budget", [64, 1024])
 def test_gpu_speed_vs_reference_path(gpu, budget):
     """Speed target as a ratio measured in this run, never an absolute time: the device path (logits ->
