@@ -113,7 +113,8 @@ def chain_tree(draft_logits: torch.Tensor) -> Tree:
     depth = draft_logits.shape[0]
     lp = torch.log_softmax(draft_logits.double(), -1)
     tokens = lp.argmax(-1)
-    return Tree(tokens=tokens, depths=torch.arange(1, depth + 1), parents=torch.arange(depth),
+    dev = draft_logits.device
+    return Tree(tokens=tokens, depths=torch.arange(1, depth + 1, device=dev), parents=torch.arange(depth, device=dev),
                 scores=lp.gather(-1, tokens[:, None]).squeeze(-1).cumsum(0))
 
 
@@ -196,7 +197,7 @@ def generate(target: Target, drafter: Optional[Drafter], prompt_ids, max_new_tok
     while len(state.emitted) < max_new_tokens and state.emitted[-1] not in stops:
         remaining = max_new_tokens - len(state.emitted)
         if mode == "ar":
-            tree = build_tree(torch.zeros(0, target.cfg.vocab_size), 0)      # root only
+            tree = build_tree(torch.zeros(0, target.cfg.vocab_size, device=target.device), 0)   # root only
         else:
             block = min(drafter.block_size, remaining + 1)
             logits_d = draft(drafter, state, block)                           # [block-1, V]
