@@ -28,6 +28,15 @@ class ConfigError(ValueError):
     """A config.json this reference cannot run, with the file and field named."""
 
 
+def _unfold_rope_parameters(d: dict) -> None:
+    """transformers >= 5 folds rope_theta and rope_scaling into rope_parameters: read them back out."""
+    rp = d.get("rope_parameters")
+    if rp is not None:
+        d.setdefault("rope_theta", rp.get("rope_theta"))
+        if (rp.get("rope_type") or rp.get("type")) not in (None, "default"):
+            d.setdefault("rope_scaling", rp)
+
+
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     """YaRN magnitude correction `0.1 * mscale * ln(scale) + 1` (1.0 when not extending)."""
     return 1.0 if scale <= 1.0 else 0.1 * mscale * math.log(scale) + 1.0
@@ -45,6 +54,14 @@ class RopeScaling:
     mscale_all_dim: float = 0.0
     truncate: bool = True                 # floor/ceil the correction range (HF default)
     attention_factor: Optional[float] = None  # explicit cos/sin amplitude; None -> mscale/mscale_all_dim ratio
+
+    @classmethod
+    def from_json(cls, rs: dict, where: str) -> "RopeScaling":
+        kind = rs.get("type") or rs.get("rope_type")
+        if kind != "yarn":
+            raise ConfigError(f"{where}: rope_scaling type {kind!r} unsupported (K2 and its drafters use 'yarn')")
+        names = {f.name for f in dataclasses.fields(cls)} - {"type"}
+        return cls(**{k: v for k, v in rs.items() if k in names and v is not None})
 
     @property
     def amplitude(self) -> float:
@@ -187,12 +204,7 @@ class TargetConfig:
         if mt not in ("deepseek_v3", "kimi_k2"):
             raise ConfigError(f"{where}: model_type {mt!r} is not a Kimi K2 / DeepSeek-V3 text model "
                               "(expected 'deepseek_v3' or 'kimi_k2', or a wrapper with text_config)")
-        # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters.
-        rp = d.get("rope_parameters")
-        if rp is not None:
-            d.setdefault("rope_theta", rp.get("rope_theta"))
-            if (rp.get("rope_type") or rp.get("type")) not in (None, "default"):
-                d.setdefault("rope_scaling", rp)
+        _unfold_rope_parameters(d)
         names = {f.name for f in dataclasses.fields(cls)}
         missing = [f.name for f in dataclasses.fields(cls)
                    if f.default is dataclasses.MISSING and f.name not in d]
@@ -205,14 +217,8 @@ class TargetConfig:
         kw["tensor_prefix"] = prefix
         eos = d.get("eos_token_id")
         kw["eos_token_id"] = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        rs = d.get("rope_scaling")
-        if rs is not None:
-            kind = rs.get("type") or rs.get("rope_type")
-            if kind != "yarn":
-                raise ConfigError(f"{where}: rope_scaling type {kind!r} unsupported (K2 uses 'yarn')")
-            fields = {f.name for f in dataclasses.fields(RopeScaling)}
-            kw["rope_scaling"] = RopeScaling(**{k: v for k, v in rs.items() if k in fields and v is not None
-                                                and k != "type"})
+        if d.get("rope_scaling") is not None:
+            kw["rope_scaling"] = RopeScaling.from_json(d["rope_scaling"], where)
         if quant is not None:
             kw["quantization_config"] = QuantizationConfig.from_json(quant, where)
         cfg = cls(**kw)
@@ -293,11 +299,7 @@ class DrafterConfig:
         if "target_layer_ids" not in dc or "mask_token_id" not in dc:
             raise ConfigError(f"{where}: a DFlash drafter needs dflash_config.target_layer_ids and "
                               "dflash_config.mask_token_id")
-        rp = d.get("rope_parameters")
-        if rp is not None:
-            d.setdefault("rope_theta", rp.get("rope_theta"))
-            if (rp.get("rope_type") or rp.get("type")) not in (None, "default"):
-                d.setdefault("rope_scaling", rp)
+        _unfold_rope_parameters(d)
         if "block_size" not in d and "block_size" not in dc:
             raise ConfigError(f"{where}: missing block_size")
         names = {f.name for f in dataclasses.fields(cls)}
@@ -309,14 +311,8 @@ class DrafterConfig:
         kw["mask_token_id"] = int(dc["mask_token_id"])
         if "dtype" in d and "torch_dtype" not in d and d["dtype"] is not None:
             kw["torch_dtype"] = str(d["dtype"]).replace("torch.", "")
-        rs = d.get("rope_scaling")
-        if rs is not None:
-            kind = rs.get("type") or rs.get("rope_type")
-            if kind != "yarn":
-                raise ConfigError(f"{where}: drafter rope_scaling type {kind!r} unsupported (only 'yarn')")
-            fields = {f.name for f in dataclasses.fields(RopeScaling)}
-            kw["rope_scaling"] = RopeScaling(**{k: v for k, v in rs.items() if k in fields and v is not None
-                                                and k != "type"})
+        if d.get("rope_scaling") is not None:
+            kw["rope_scaling"] = RopeScaling.from_json(d["rope_scaling"], where)
         missing = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.name not in kw]
         if missing:
             raise ConfigError(f"{where}: missing required field(s) {missing}")
