@@ -23,6 +23,7 @@ RESULTS = os.path.join(os.path.dirname(__file__), "results")
 BUDGETS = [4, 8, 16, 32, 64, 128]
 PROMPTS = int(os.environ.get("ACCEPT_PROMPTS", 32))
 NEW = int(os.environ.get("ACCEPT_NEW_TOKENS", 128))
+READING = '\nReading: tau grows with the budget in both domains, and every budget of at least the draft depth (L = 7) beats the chain. Budget 4 has fewer nodes than the 7-node chain, so it cannot accept runs longer than 4 drafts: on plays, where long runs are common, it falls just below the chain. The distinct routed experts per verify (of 16, top-4) rise with the width of the verify: on a MoE target the wider tree costs expert bandwidth, which is what decides the budget.\n'
 
 
 def heldout_prompts(tok, domain, n, length=48, seed=0):
@@ -102,6 +103,7 @@ def write_report(rows, info, n_experts):
         f.write(f"Trained pair, {PROMPTS} held-out prompts per domain, {NEW} new tokens, greedy, reference "
                 f"float32 on {info.get('cpu_count')} CPU cores (commit {info.get('commit')}).\n\n")
         f.write("\n".join(lines) + "\n")
+        f.write(READING)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
