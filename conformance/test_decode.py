@@ -4,8 +4,6 @@ lossless sampling (chi-square), and clear errors for bad input. Float64 tiny mod
 A tiny vocabulary (16) makes a random drafter right often enough that rounds accept several tokens, so the
 tree, the walk and the compaction are exercised beyond the root.
 """
-import math
-
 import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st

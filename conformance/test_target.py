@@ -120,10 +120,10 @@ def test_compact_tree_rows_to_a_path(model):
     prefill of prefix + path: the tree rows' RoPE positions equal their new slots."""
     prompt = rand_ids(1, 5)
     tree_ids = rand_ids(2, 6)
-    parents = [0, 0, 1, 2, 2]                                   # nodes 1..5
     depth = [0, 1, 1, 2, 2, 2]
     vis = torch.zeros(6, 11, dtype=torch.bool)
     vis[:, :5] = True
+    # ancestor chains; parents: nodes 1, 2 <- root, 3 <- 1, 4 and 5 <- 2
     anc = {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3], 4: [0, 2, 4], 5: [0, 2, 5]}
     for i, a in anc.items():
         vis[i, [5 + j for j in a]] = True

@@ -81,7 +81,7 @@ def test_logits_match_transformers(tmp_path, case, seed):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_int4_experts_match_transformers(tmp_path, seed):
     """Routed experts packed by compressed-tensors; the HF side runs the library's dequantization."""
-    ct = pytest.importorskip("compressed_tensors")
+    pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
@@ -95,7 +95,6 @@ def test_int4_experts_match_transformers(tmp_path, seed):
     files = [f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]
     assert len(files) == 1 and not os.path.exists(tmp_path / INDEX_FILE)
     state = load_file(tmp_path / files[0])
-    hf_state = model.state_dict()
     n_quantized = 0
     for name in [n for n in state if ".mlp.experts." in n and n.endswith(".weight")]:
         w = state.pop(name).to(torch.bfloat16)                                   # [N, K]

@@ -17,7 +17,7 @@ import dataclasses
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 __all__ = ["ConfigError", "RopeScaling", "QuantizationConfig", "TargetConfig", "DrafterConfig",

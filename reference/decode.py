@@ -114,7 +114,8 @@ def chain_tree(draft_logits: torch.Tensor) -> Tree:
     lp = torch.log_softmax(draft_logits.double(), -1)
     tokens = lp.argmax(-1)
     dev = draft_logits.device
-    return Tree(tokens=tokens, depths=torch.arange(1, depth + 1, device=dev), parents=torch.arange(depth, device=dev),
+    return Tree(tokens=tokens, depths=torch.arange(1, depth + 1, device=dev),
+                parents=torch.arange(depth, device=dev),
                 scores=lp.gather(-1, tokens[:, None]).squeeze(-1).cumsum(0))
 
 

@@ -22,7 +22,6 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from .checkpoint import CheckpointError, _open, write_directory_atomically

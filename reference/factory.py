@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .checkpoint import save_target
-from .config import QuantizationConfig, RopeScaling, TargetConfig
+from .config import DrafterConfig, QuantizationConfig, RopeScaling, TargetConfig
 from .int4 import quantize
 from .target import Int4Linear, Target, rope_inv_freq
 
@@ -79,10 +79,9 @@ def write_random_target(path: str, cfg: TargetConfig | None = None, seed: int = 
     return path
 
 
-def tiny_drafter_config(target_cfg: TargetConfig, **overrides) -> "DrafterConfig":
+def tiny_drafter_config(target_cfg: TargetConfig, **overrides) -> DrafterConfig:
     """A DFlash drafter that fits `target_cfg`: 2 layers, GQA 4/2, block 8, layer ids by the DFlash formula,
     the last vocabulary id as the mask token."""
-    from .config import DrafterConfig
     from .drafter import target_layer_ids_for
     layers = overrides.pop("num_hidden_layers", 2)
     base = dict(hidden_size=target_cfg.hidden_size, num_hidden_layers=layers, num_attention_heads=4,
