@@ -279,3 +279,36 @@ def test_speed_regression(t, prefix, max_floor_ratio, min_vs_torch):
     ratio = ours / mc.floor_seconds(flops, nbytes)
     assert ratio <= max_floor_ratio, f"T={t} P={prefix}: {ratio:.2f}x the floor (was <= {max_floor_ratio})"
     assert torch_s / ours >= min_vs_torch, f"T={t} P={prefix}: {torch_s / ours:.2f}x PyTorch (was >= {min_vs_torch})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c, r", [(512, 64), (64, 16)])
+def test_device_seq_len_in_one_graph(c, r):
+    """Graph mode (the engine's): one captured launch over a buffer of 4096 rows serves every prefix, the
+    kernel reading S = P + T from the device. Each replay equals the host-shaped call on the first S rows up to
+    bf16 rounding (the split plan, hence the summation order, differs)."""
+    t, h, cap = 33, 16, 4096
+    case = mc.make_case(t, h, cap - t, c=c, r=r, seed=21)
+    buf = case.latent.clone()                                      # [cap, C+R]
+    seq = torch.zeros(1, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(case.q_lat)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        seq.fill_(cap)
+        tree_attention(case.q_lat, case.q_pe, buf, case.tree_mask, case.scale, out=out, seq_len=seq)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        tree_attention(case.q_lat, case.q_pe, buf, case.tree_mask, case.scale, out=out, seq_len=seq)
+    for prefix in (0, 1, 100, 777, 2048, cap - t):
+        buf.copy_(case.latent)
+        # the tree rows sit at slots prefix..prefix+T-1 in both calls
+        buf[prefix:prefix + t] = case.latent[cap - t:]
+        seq.fill_(prefix + t)
+        out.fill_(float("nan"))
+        g.replay()
+        want = tree_attention(case.q_lat, case.q_pe, buf[:prefix + t].contiguous(), case.tree_mask, case.scale)
+        torch.cuda.synchronize()
+        err = (out.float() - want.float()).abs().max().item()
+        assert err <= 2 ** -7 * want.float().abs().max().item() + 1e-6, f"prefix {prefix}: error {err}"

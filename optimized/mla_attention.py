@@ -299,13 +299,20 @@ def _cupy_stream(ptr: int, index: int):
 
 def tree_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, tree_mask: torch.Tensor,
                    softmax_scale: float, *, out: Optional[torch.Tensor] = None, num_splits: Optional[int] = None,
-                   config: Optional[str] = None, defines: tuple = ()) -> torch.Tensor:
+                   config: Optional[str] = None, defines: tuple = (),
+                   seq_len: Optional[torch.Tensor] = None) -> torch.Tensor:
     """o_lat [T, H, C] bf16 = absorbed MLA of q_lat [T,H,C], q_pe [T,H,R] over latent [P+T, C+R] with the whole
     prefix visible and the tree rows masked by tree_mask int32 [T, ceil(T/32)] (pack_visibility).
 
+    seq_len (graph mode): an int32 [1] device tensor holding S = P + T; `latent` is then a buffer of at least S
+    rows whose length only sizes the plan (splits), and the kernel reads S when it runs, so one CUDA graph
+    serves every prefix up to latent.shape[0]. The caller guarantees T <= S <= latent.shape[0].
     A row that sees no key at all (P = 0 and its own bit clear) gets zeros, where the reference gives NaN.
     `num_splits` / `config` override the plan, `defines` selects a compiled variant (tests, benches)."""
     t, h, c, r, s, w = _validate(q_lat, q_pe, latent, tree_mask, softmax_scale, out)
+    if seq_len is not None and (not isinstance(seq_len, torch.Tensor) or seq_len.dtype != torch.int32
+                                or seq_len.numel() != 1 or seq_len.device != q_lat.device):
+        raise ValueError("tree_attention: seq_len must be an int32 tensor of one element on the device of q_lat")
     p = s - t
     dev = q_lat.device
     if out is None:
@@ -317,12 +324,13 @@ def tree_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
     ptr = lambda x: np.uint64(x.data_ptr())                                      # noqa: E731
     i32 = np.int32
     scale_log2 = np.float32(softmax_scale * _LOG2E)
+    dyn = np.uint64(0) if seq_len is None else ptr(seq_len)
     stream = torch.cuda.current_stream(dev)
     with cupy.cuda.Device(dev.index), _cupy_stream(stream.cuda_stream, dev.index):
         if pl.backend == "simt":
             kernels[pl.kernel](pl.grid, pl.block, (ptr(q_lat), ptr(q_pe), ptr(latent), ptr(tree_mask), ptr(out),
                                                    i32(t), i32(h), i32(c), i32(r), i32(p), i32(s), i32(w),
-                                                   scale_log2))
+                                                   scale_log2, dyn))
             return out
         m = t * h
         if pl.splits == 1:
@@ -334,7 +342,7 @@ def tree_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
         kernels[pl.kernel](pl.grid, pl.block,
                            (ptr(q_lat), ptr(q_pe), ptr(latent), ptr(tree_mask), ptr(out),
                             null if o_part is None else ptr(o_part), null if lse is None else ptr(lse),
-                            i32(t), i32(h), i32(p), i32(s), i32(w), i32(pl.chunk_keys), scale_log2),
+                            i32(t), i32(h), i32(p), i32(s), i32(w), i32(pl.chunk_keys), scale_log2, dyn),
                            shared_mem=pl.smem)
         if o_part is not None:
             kernels["mla_combine"]((m, 1, 1), (128, 1, 1), (ptr(o_part), ptr(lse), ptr(out), i32(m), i32(c),

@@ -168,8 +168,14 @@ template <int NW, int BM, int BN, int STAGES>
 __device__ __forceinline__ void mla_mma_body(
     const bf16_t* __restrict__ q_lat, const bf16_t* __restrict__ q_pe, const bf16_t* __restrict__ latent,
     const unsigned* __restrict__ tree_mask, bf16_t* __restrict__ out, float* __restrict__ o_part,
-    float* __restrict__ lse_part, int T, int H, int P, int S, int words, int chunk_keys, float scale_log2) {
+    float* __restrict__ lse_part, int T, int H, int P, int S, int words, int chunk_keys, float scale_log2,
+    const int* __restrict__ seq_len) {
     typedef MmaCfg<NW, BM, BN, STAGES> Cfg;
+    if (seq_len != nullptr) {   // graph mode: S read on the device, the key range re-split over gridDim.y
+        S = __ldg(seq_len);
+        P = S - T;
+        chunk_keys = ((S + BN - 1) / BN + (int)gridDim.y - 1) / (int)gridDim.y * BN;
+    }
     constexpr int RG = Cfg::RG, KH = Cfg::KH, KW = Cfg::KW, NP = Cfg::NP, CW = Cfg::CW, NT = Cfg::NT,
                   MT = Cfg::MT, PCH = Cfg::PCH, NTHREADS = NW * 32;
 
@@ -392,6 +398,8 @@ __device__ __forceinline__ void mla_mma_body(
         }
     }
 
+    cp_async_wait_all();   // an empty split (graph mode, key_begin >= S) still has its zero-fill copy in flight
+
     // ---- epilogue: total row sums, normalize, write
     l_run0 += __shfl_xor_sync(0xffffffffu, l_run0, 1);
     l_run0 += __shfl_xor_sync(0xffffffffu, l_run0, 2);
@@ -441,9 +449,9 @@ __device__ __forceinline__ void mla_mma_body(
         NAME(const bf16_t* __restrict__ q_lat, const bf16_t* __restrict__ q_pe,                             \
              const bf16_t* __restrict__ latent, const unsigned* __restrict__ tree_mask,                     \
              bf16_t* __restrict__ out, float* __restrict__ o_part, float* __restrict__ lse_part, int T,     \
-             int H, int P, int S, int words, int chunk_keys, float scale_log2) {                             \
+             int H, int P, int S, int words, int chunk_keys, float scale_log2, const int* seq_len) {        \
         mla_mma_body<NW, BM, BN, STAGES>(q_lat, q_pe, latent, tree_mask, out, o_part, lse_part, T, H, P, S,  \
-                                         words, chunk_keys, scale_log2);                                    \
+                                         words, chunk_keys, scale_log2, seq_len);                           \
     }
 
 MLA_MMA_KERNEL(mla_mma_w8_m64_n64_s2, 8, 64, 64, 2)   // 230,912 B smem: H100/H200 (227 KB opt-in)
@@ -488,7 +496,11 @@ extern "C" __global__ void __launch_bounds__(128) mla_combine(const float* __res
 extern "C" __global__ void __launch_bounds__(128) mla_generic(
     const bf16_t* __restrict__ q_lat, const bf16_t* __restrict__ q_pe, const bf16_t* __restrict__ latent,
     const unsigned* __restrict__ tree_mask, bf16_t* __restrict__ out, int T, int H, int C, int R, int P, int S,
-    int words, float scale_log2) {
+    int words, float scale_log2, const int* __restrict__ seq_len) {
+    if (seq_len != nullptr) {   // graph mode: S read on the device
+        S = __ldg(seq_len);
+        P = S - T;
+    }
     const int lane = threadIdx.x & 31;
     const int m = blockIdx.x * 4 + (threadIdx.x >> 5);
     if (m >= T * H) return;

@@ -1,0 +1,630 @@
+"""The optimized decode engine: the whole DDTree round on the device, CUDA-graph captured, one host sync a round.
+
+    engine = Engine(target, drafter)                       # reference modules on the GPU in bf16 (load_target)
+    out = engine.generate(prompt_ids, max_new_tokens=128, mode="ddtree", budget=32)
+
+State lives in static device buffers sized at construction: the target's latent cache [layers, cap, C+R], the
+drafter's context keys/values [draft layers, cap, G, E], the committed length `start` and the pending bonus
+token (int64 [1] each). A round is the ARCHITECTURE.md stages with no host synchronisation inside:
+
+    draft    drafter([bonus, mask x L]) over the context rows < start                -> logits [L, V]
+    tree     build_tree + compile_tree (Numba kernels)                               -> ids, depths, parents, mask bits
+    verify   target forward over the T = n + 1 rows at positions start + depth; their latent rows are written
+             at slots start..start+T-1; MLA attention (CuPy kernel) reads the prefix and the tree mask with
+             S = start + T taken from the device; INT4 MoE (CuPy kernels)             -> logits [T, V], features
+    commit   target choices (argmax or a device sample), follow (Numba), then gather-then-write of the
+             accepted rows (latent rows and drafter context rows) to start.., start += accepted, new bonus,
+             and the emitted tokens into a small output buffer
+
+Every write of a round lands at slots >= start, past the committed prefix, so a round can be replayed over
+garbage left by an earlier one: that is what makes warm-up and capture harmless. The host then reads the
+output buffer once (one sync) to stream tokens, cut at stop tokens and max_new_tokens.
+
+CUDA graphs: one graph per (mode, budget, draft depth, length bucket); the bucket is the power of two >= 256
+covering start + T, so attention work follows the real length while a handful of graphs cover every prefix.
+A failed capture raises GraphCaptureError (never a silent eager fallback); `eager=True` runs without graphs.
+`stage_timing=True` captures each stage as its own graph and times it with CUDA events (RoundTiming).
+
+Backends (`engine.backend`, asserted by the tests): "cuda" (the suite's kernels, bf16, graphs) and "torch"
+(the same round through reference ops: any device and dtype, eager only; it is how the round logic and expert
+parallelism are tested on CPU in CI, and the debugging twin of the cuda backend). Neither falls back to the
+other: asking for "cuda" without a GPU, CuPy or Numba raises with what to install.
+
+Expert parallelism: pass `group` (a torch.distributed process group) and `experts` (this rank's routed expert
+ids). Each MoE layer computes its partial sum over the held experts and ends in one all-reduce; the tree,
+acceptance and commit are computed identically on every rank from identical logits, so ranks never disagree.
+
+Several requests: the state is per engine (one request). Buffers have no requests x budget limit: the largest
+verify block is budget 1024 + root; run one Engine per concurrent request on the same weights (they share the
+target and drafter modules and the repacked experts).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from reference.decode import GenerateOutput, _check_args, chain_tree, sample
+from reference.drafter import Drafter
+from reference.target import Target, absorbed_attention as torch_absorbed_attention, apply_rope, rope_cos_sin
+from reference.tree import CompiledTree, Tree, build_tree as torch_build_tree, compile_tree as torch_compile_tree, \
+    follow_verified_tree as torch_follow
+
+from .mla_attention import MAX_T, pack_visibility, unpack_visibility
+
+__all__ = ["Engine", "GraphCaptureError", "RoundTiming", "BACKENDS", "MIN_BUCKET", "node_count"]
+
+BACKENDS = ("cuda", "torch")
+MIN_BUCKET = 256
+MAX_BUDGET = MAX_T - 1          # 1024
+
+
+class GraphCaptureError(RuntimeError):
+    pass
+
+
+def node_count(depth: int, k: int, budget: int) -> int:
+    """Nodes of the best-first tree: min(budget, sum_{d=1..depth} k^d) (what build_tree returns)."""
+    total, level = 0, 1
+    for _ in range(depth):
+        level *= k
+        total += level
+        if total >= budget:
+            return budget
+    return total
+
+
+@dataclass
+class RoundTiming:
+    """Device milliseconds per stage, summed over the rounds of one generate (stage_timing=True)."""
+    draft: float = 0.0
+    tree: float = 0.0
+    verify: float = 0.0
+    commit: float = 0.0
+    rounds: int = 0
+    host: float = 0.0             # wall time of the host loop minus the stages (launch, sync, Python)
+
+    def per_round(self) -> dict:
+        n = max(self.rounds, 1)
+        return {k: getattr(self, k) / n for k in ("draft", "tree", "verify", "commit", "host")}
+
+
+# ---- backends ------------------------------------------------------------------------------------------------
+
+class _TorchOps:
+    """The round through reference ops (host syncs allowed): any device, any dtype."""
+    name = "torch"
+
+    def build_tree(self, logits: torch.Tensor, budget: int) -> Tree:
+        return torch_build_tree(logits, budget)
+
+    def compile(self, tree: Tree, root: torch.Tensor):
+        ct = torch_compile_tree(tree, int(root.reshape(-1)[0]), 0)
+        return ct.ids, ct.depths, ct.parents, pack_visibility(ct.visibility)
+
+    def follow(self, ids, parents, choices):
+        acc, bonus = torch_follow(CompiledTree(ids, ids, parents, ids, None, 0), choices)
+        out = torch.full_like(ids, -1)
+        out[:len(acc)] = torch.as_tensor(acc, device=ids.device)
+        dev = ids.device
+        return out, torch.tensor([len(acc)], device=dev), torch.tensor([bonus], device=dev)
+
+    def attention(self, q_lat, q_pe, latent, bits, start, seq_len, scale):
+        t, s = q_lat.shape[0], latent.shape[0]
+        p = int(start)
+        vis = torch.zeros(t, s, dtype=torch.bool, device=latent.device)
+        vis[:, :p] = True
+        vis[:, p:p + t] = unpack_visibility(bits, t)
+        return torch_absorbed_attention(q_lat, q_pe, latent, vis, scale)
+
+
+class _CudaOps:
+    """The suite's kernels: Numba tree stages, CuPy MLA attention and INT4 MoE; no host sync anywhere."""
+    name = "cuda"
+
+    def __init__(self):
+        try:
+            from . import tree_numba
+            from .mla_attention import tree_attention
+        except ImportError as e:
+            raise RuntimeError(f"the cuda backend needs numba-cuda and CuPy ({e}); install the project's [gpu] "
+                               "extra, or pass backend='torch'") from e
+        if tree_numba.backend() != "cuda":
+            raise RuntimeError("the cuda backend cannot run under NUMBA_ENABLE_CUDASIM=1; unset it, or pass "
+                               "backend='torch'")
+        self._tree, self._attn = tree_numba, tree_attention
+
+    def build_tree(self, logits: torch.Tensor, budget: int) -> Tree:
+        return self._tree.build_tree(logits.float(), budget)
+
+    def compile(self, tree: Tree, root: torch.Tensor):
+        ct = self._tree.compile_tree(tree, root, 0)
+        return ct.ids, ct.depths, ct.parents, ct.visibility_bits
+
+    def follow(self, ids, parents, choices):
+        acc = self._tree.follow_verified_tree(CompiledTree(ids, ids, parents, ids, None, 0), choices)
+        return acc.indices, acc.length, acc.bonus
+
+    def attention(self, q_lat, q_pe, latent, bits, start, seq_len, scale):
+        return self._attn(q_lat, q_pe, latent, bits, scale, seq_len=seq_len)
+
+
+# ---- the engine ----------------------------------------------------------------------------------------------
+
+@dataclass
+class _Buffers:
+    latent: torch.Tensor                  # [layers, cap, C+R]
+    ctx_k: Optional[torch.Tensor]         # [draft layers, cap, G, E]
+    ctx_v: Optional[torch.Tensor]
+    start: torch.Tensor                   # int64 [1]: committed tokens
+    bonus: torch.Tensor                   # int64 [1]: the pending token
+    out_tokens: torch.Tensor              # int64 [MAX_T + 1]: the round's emitted tokens (first `length`)
+    out_length: torch.Tensor              # int64 [1]
+    host: torch.Tensor                    # int64 [MAX_T + 2] pinned: length, then the tokens
+    arange: torch.Tensor                  # int64 [MAX_T + 1]
+
+
+@dataclass
+class _Round:
+    """What a round's stages hand each other (device tensors; kept alive by the graph record)."""
+    logits_d: Optional[torch.Tensor] = None
+    tree: Optional[Tree] = None
+    ids: Optional[torch.Tensor] = None
+    depths: Optional[torch.Tensor] = None
+    parents: Optional[torch.Tensor] = None
+    bits: Optional[torch.Tensor] = None
+    logits: Optional[torch.Tensor] = None
+    feats: Optional[torch.Tensor] = None
+    choices: Optional[torch.Tensor] = None
+    acc: Optional[torch.Tensor] = None
+
+
+@dataclass
+class _Graphs:
+    graphs: list                          # one graph, or one per stage
+    rnd: _Round
+    stages: list = field(default_factory=list)
+
+
+def _rms(x: torch.Tensor, norm) -> torch.Tensor:
+    return norm(x)
+
+
+class Engine:
+    """One request's decode state over a (target, drafter) pair. See the module docstring.
+
+    target: a reference.Target whose dense weights sit on the engine's device (routed experts may stay on the
+    meta device when `moe_weights` is given). moe_weights: {layer: optimized.moe.MoEWeights} (default: repacked
+    from the target once, the held `experts` only). max_seq_len: prompt + new tokens the buffers hold.
+    """
+
+    def __init__(self, target: Target, drafter: Optional[Drafter] = None, *, backend: str = "cuda",
+                 eager: bool = False, max_seq_len: Optional[int] = None, moe_weights: Optional[dict] = None,
+                 experts: Optional[Sequence[int]] = None, group=None, stage_timing: bool = False):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        cfg = target.cfg
+        self.target, self.drafter, self.cfg = target, drafter, cfg
+        self.device = target.lm_head.weight.device
+        self.dtype = target.lm_head.weight.dtype
+        if drafter is not None and drafter.target is not target:
+            raise ValueError("the drafter is attached to a different target; load it with load_drafter(path, "
+                             "target=this_target)")
+        if backend == "cuda":
+            if self.device.type != "cuda":
+                raise ValueError(f"backend='cuda' needs the target on a CUDA device (it is on {self.device}); "
+                                 "load it with optimized.load_target(..., device='cuda') or pass backend='torch'")
+            if self.dtype != torch.bfloat16:
+                raise ValueError(f"backend='cuda' runs bf16 (the kernels are W4A16 / bf16 MLA); the target is "
+                                 f"{self.dtype}: load it with dtype=torch.bfloat16 or pass backend='torch'")
+            self.ops = _CudaOps()
+        else:
+            if not eager:
+                eager = True      # the torch backend syncs inside the round: graphs do not apply (documented)
+            self.ops = _TorchOps()
+        self.backend, self.eager, self.stage_timing = backend, eager, stage_timing
+        self.group = group
+        self.world = 1 if group is None else torch.distributed.get_world_size(group)
+        self.layer_ids = tuple(drafter.target_layer_ids) if drafter is not None else ()
+        self.max_seq_len = int(max_seq_len or min(cfg.max_position_embeddings, 8192))
+        if not 1 <= self.max_seq_len <= cfg.max_position_embeddings:
+            raise ValueError(f"max_seq_len {self.max_seq_len} outside 1..max_position_embeddings "
+                             f"{cfg.max_position_embeddings}")
+        self.cap = self.max_seq_len + MAX_T
+        self._moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+        self.held = None if experts is None else sorted({int(e) for e in experts})
+        if self.held is not None and any(not 0 <= e < cfg.n_routed_experts for e in self.held):
+            raise ValueError(f"experts {self.held[:8]} outside 0..{cfg.n_routed_experts - 1}")
+        if backend == "cuda":
+            if moe_weights is None:
+                from .moe import load_moe_weights
+                moe_weights = {i: load_moe_weights(target.model.layers[i].mlp, cfg, experts=self.held,
+                                                   device=self.device) for i in self._moe_layers}
+            missing = [i for i in self._moe_layers if i not in moe_weights]
+            if missing:
+                raise ValueError(f"moe_weights lacks MoE layers {missing[:8]}")
+        self.moe_weights = moe_weights
+        self._prepare_attention()
+        self._alloc()
+        self._graphs: dict = {}
+        self._pool = None
+        self._sampling = None
+
+    # ---- construction ----------------------------------------------------------------------------------
+
+    def _prepare_attention(self):
+        cfg = self.cfg
+        h, n, c = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        self._w_uk, self._w_uv = [], []
+        for layer in self.target.model.layers:
+            w = layer.self_attn.kv_b_proj.weight.view(h, -1, c)                     # [H, N+A, C]
+            self._w_uk.append(w[:, :n].contiguous())
+            self._w_uv.append(w[:, n:].contiguous())
+        amp = cfg.rope_scaling.amplitude if cfg.rope_scaling is not None else 1.0
+        self._rope_amp = amp
+
+    def _alloc(self):
+        cfg, dev = self.cfg, self.device
+        row = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        z = dict(device=dev)
+        latent = torch.zeros(cfg.num_hidden_layers, self.cap, row, dtype=self.dtype, **z)
+        ctx_k = ctx_v = None
+        if self.drafter is not None:
+            d = self.drafter.cfg
+            shape = (d.num_hidden_layers, self.cap, d.num_key_value_heads, d.dim_head)
+            ctx_k = torch.zeros(shape, dtype=self.drafter.fc.weight.dtype, **z)
+            ctx_v = torch.zeros_like(ctx_k)
+        host = torch.zeros(MAX_T + 2, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.buf = _Buffers(latent, ctx_k, ctx_v, torch.zeros(1, dtype=torch.long, **z),
+                            torch.zeros(1, dtype=torch.long, **z), torch.zeros(MAX_T + 1, dtype=torch.long, **z),
+                            torch.zeros(1, dtype=torch.long, **z), host, torch.arange(MAX_T + 1, **z))
+
+    # ---- the target forward over T rows at slots start.. (prefill chunks and verify alike) -------------
+
+    def _forward(self, ids: torch.Tensor, depths: torch.Tensor, bits: torch.Tensor, bucket: int,
+                 want_feats: bool):
+        """ids [T] at positions start + depths, visibility: prefix + bits. Writes latent rows at slots
+        start..start+T-1. Returns (logits [T, V], features [T, F] or None)."""
+        cfg, b = self.cfg, self.buf
+        t = ids.shape[0]
+        slots = b.start + b.arange[:t]                                             # [T]
+        seq_len = (b.start + t).to(torch.int32)
+        cos, sin = rope_cos_sin(self.target.inv_freq, b.start + depths, self._rope_amp)
+        h = self.target.embed(ids)
+        feats = {}
+        for i, layer in enumerate(self.target.model.layers):
+            at = layer.self_attn
+            q_nope, q_pe, rows = at.project(layer.input_layernorm(h), cos, sin)
+            b.latent[i].index_copy_(0, slots, rows)
+            q_lat = torch.einsum("thn,hnc->thc", q_nope, self._w_uk[i])
+            o_lat = self.ops.attention(q_lat.contiguous(), q_pe.contiguous(), b.latent[i, :bucket], bits,
+                                       b.start, seq_len, cfg.softmax_scale)
+            o = torch.einsum("thc,hac->tha", o_lat, self._w_uv[i])
+            h = h + at.o_proj(o.reshape(t, -1))
+            h = h + self._mlp(i, layer, layer.post_attention_layernorm(h))
+            if want_feats and i in self.layer_ids:
+                feats[i] = h
+        logits = self.target.head(h)
+        return logits, (torch.cat([feats[i] for i in self.layer_ids], -1) if want_feats else None)
+
+    def _mlp(self, i: int, layer, x: torch.Tensor) -> torch.Tensor:
+        if not self.cfg.is_moe_layer(i):
+            return layer.mlp(x)
+        if self.backend == "cuda":
+            from .moe import moe_forward, shared_expert
+            w = self.moe_weights[i]
+            if self.group is None:
+                return moe_forward(x, w, self.cfg)
+            part = moe_forward(x, w, self.cfg, partial=True, with_shared=False)    # fp32 [T, D]
+            torch.distributed.all_reduce(part, group=self.group)
+            if w.shared is not None:
+                part += shared_expert(x, w).float()
+            return part.to(x.dtype)
+        moe = layer.mlp
+        idx, w = moe.gate(x)
+        y = torch.zeros_like(x)
+        for e in idx.unique().tolist():
+            if self.held is not None and e not in self.held:
+                continue
+            tok, slot = (idx == e).nonzero(as_tuple=True)
+            y.index_add_(0, tok, moe.experts[e](x[tok]) * w[tok, slot, None].to(x.dtype))
+        if self.group is not None:
+            torch.distributed.all_reduce(y, group=self.group)
+        return y if moe.shared_experts is None else y + moe.shared_experts(x)
+
+    # ---- the drafter over the static context -------------------------------------------------------------
+
+    def _extend_context(self, feats: torch.Tensor, n: int):
+        """Context keys/values of feats [n, F] at positions/slots start..start+n-1 (rows past the accepted
+        count are garbage beyond the committed context and get overwritten later)."""
+        d, b = self.drafter, self.buf
+        c = d.hidden_norm(d.fc(feats.to(d.fc.weight.dtype)))
+        slots = b.start + b.arange[:n]
+        cos, sin = d._cos_sin(slots)
+        for i, layer in enumerate(d.layers):
+            k, v = layer.self_attn.keys_values(c, cos, sin)
+            b.ctx_k[i].index_copy_(0, slots, k)
+            b.ctx_v[i].index_copy_(0, slots, v)
+
+    def _draft(self, depth: int, bucket: int) -> torch.Tensor:
+        """Draft logits [depth, V] for positions start+1..start+depth, block [bonus, mask x depth]."""
+        d, b = self.drafter, self.buf
+        blk = depth + 1
+        ids = torch.cat([b.bonus, torch.full((depth,), d.mask_token_id, dtype=torch.long, device=self.device)])
+        h = self.target.embed(ids).to(d.fc.weight.dtype) * d.cfg.input_embedding_scale
+        pos = b.start + b.arange[:blk]
+        cos, sin = d._cos_sin(pos)
+        keys = torch.arange(bucket, device=self.device)
+        visible = torch.cat([(keys < b.start).expand(blk, bucket),
+                             torch.ones(blk, blk, dtype=torch.bool, device=self.device)], 1)   # [B, bucket+B]
+        for i, layer in enumerate(d.layers):
+            at = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = at.q_norm(at.q_proj(x).view(blk, at.heads, at.head_dim))
+            q = apply_rope(q, cos, sin, interleave=False)
+            k_blk, v_blk = at.keys_values(x, cos, sin)
+            rep = at.heads // at.kv_heads
+            k = torch.cat([b.ctx_k[i, :bucket], k_blk], 0).repeat_interleave(rep, dim=1)     # [S, H, E]
+            v = torch.cat([b.ctx_v[i, :bucket], v_blk], 0).repeat_interleave(rep, dim=1)
+            scores = torch.einsum("bhe,she->hbs", q, k).to(torch.promote_types(q.dtype, torch.float32))
+            scores = (scores * at.head_dim ** -0.5).masked_fill(~visible[None], float("-inf"))
+            p = torch.softmax(scores, dim=-1).to(q.dtype)
+            h = h + at.o_proj(torch.einsum("hbs,she->bhe", p, v).reshape(blk, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return d.logits(d.norm(h)[1:])
+
+    # ---- one round, as stages ----------------------------------------------------------------------------
+
+    def _choose(self, logits: torch.Tensor) -> torch.Tensor:
+        temperature, top_p, top_k, gen = self._sampling
+        if temperature == 0:
+            return logits.argmax(-1)
+        if self.backend == "torch":
+            return sample(logits, temperature, top_p, top_k, gen)        # the reference's sampler, same RNG
+        scores = logits.float() / temperature                             # on-device, graph-safe sampling
+        if 0 < top_k < scores.shape[-1]:
+            kth = scores.topk(top_k, -1).values[:, -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = scores.softmax(-1)
+        if top_p < 1.0:
+            sorted_p, order = probs.sort(-1, descending=True)
+            keep = sorted_p.cumsum(-1) - sorted_p < top_p
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
+        u = torch.rand(probs.shape, device=probs.device).clamp_min(1e-30)
+        return (probs.log() - (-u.log()).log()).argmax(-1)              # Gumbel-max: a draw from probs
+
+    def _stage_draft(self, r: _Round, key):
+        mode, budget, depth, bucket = key
+        if mode != "ar":
+            r.logits_d = self._draft(depth, bucket)
+
+    def _stage_tree(self, r: _Round, key):
+        mode, budget, depth, bucket = key
+        b = self.buf
+        if mode == "ar":
+            r.ids, r.depths = b.bonus, torch.zeros(1, dtype=torch.long, device=self.device)
+            r.parents = torch.full((1,), -1, dtype=torch.long, device=self.device)
+            r.bits = torch.ones(1, 1, dtype=torch.int32, device=self.device)
+            return
+        r.tree = chain_tree(r.logits_d) if mode == "chain" else self.ops.build_tree(r.logits_d, budget)
+        r.ids, r.depths, r.parents, r.bits = self.ops.compile(r.tree, b.bonus)
+
+    def _stage_verify(self, r: _Round, key):
+        mode, budget, depth, bucket = key
+        r.logits, r.feats = self._forward(r.ids, r.depths, r.bits, bucket, mode != "ar")
+        r.choices = self._choose(r.logits)
+
+    def _stage_commit(self, r: _Round, key):
+        mode = key[0]
+        b = self.buf
+        t = r.ids.shape[0]
+        if mode == "ar":
+            acc = torch.zeros(1, dtype=torch.long, device=self.device)
+            length, bonus = torch.ones(1, dtype=torch.long, device=self.device), r.choices[:1]
+        else:
+            acc, length, bonus = self.ops.follow(r.ids, r.parents, r.choices)
+        r.acc = acc
+        src = b.start + acc.clamp(min=0)                                   # [T] (rows past length: junk)
+        rows = b.latent.index_select(1, src)                               # gather first ...
+        b.latent.index_copy_(1, b.start + b.arange[:t], rows)              # ... then write
+        if mode != "ar":
+            self._extend_context(r.feats.index_select(0, acc.clamp(min=0)), t)
+        emitted = torch.cat([r.ids.index_select(0, acc[1:].clamp(min=0)), bonus.reshape(1)])
+        b.out_tokens[:t].copy_(emitted)
+        b.out_tokens.scatter_(0, length - 1, bonus.reshape(1))
+        b.out_length.copy_(length)
+        b.start.add_(length)
+        b.bonus.copy_(bonus.reshape(1))
+
+    STAGES = ("draft", "tree", "verify", "commit")
+
+    def _stage_fns(self):
+        return [self._stage_draft, self._stage_tree, self._stage_verify, self._stage_commit]
+
+    # ---- running a round: eager, one graph, or one graph per stage ---------------------------------------
+
+    def _run_round(self, key, timing: Optional[RoundTiming]):
+        if self.eager:
+            r = _Round()
+            if timing is None:
+                for fn in self._stage_fns():
+                    fn(r, key)
+                return
+            self._timed([lambda fn=fn: fn(r, key) for fn in self._stage_fns()], timing)
+            return
+        rec = self._graphs.get(key)
+        if rec is None:
+            rec = self._capture(key, per_stage=timing is not None)
+        if timing is None:
+            for g in rec.graphs:
+                g.replay()
+        else:
+            self._timed([g.replay for g in rec.graphs], timing)
+
+    def _timed(self, calls, timing: RoundTiming):
+        if len(calls) != len(self.STAGES):
+            raise RuntimeError("stage timing needs the per-stage graphs (construct the Engine with "
+                               "stage_timing=True)")
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(calls) + 1)] \
+            if self.device.type == "cuda" else None
+        t0 = time.perf_counter()
+        marks = [t0]
+        for i, call in enumerate(calls):
+            if ev:
+                ev[i].record()
+            call()
+            if not ev:
+                marks.append(time.perf_counter())
+        if ev:
+            ev[-1].record()
+            ev[-1].synchronize()
+            ms = [ev[i].elapsed_time(ev[i + 1]) for i in range(len(calls))]
+        else:
+            ms = [(marks[i + 1] - marks[i]) * 1e3 for i in range(len(calls))]
+        for name, v in zip(self.STAGES, ms):
+            setattr(timing, name, getattr(timing, name) + v)
+        timing.rounds += 1
+
+    def _capture(self, key, per_stage: bool) -> _Graphs:
+        """Warm up (eagerly, on a side stream; harmless: writes land past the committed prefix; the scalar state
+        is restored), then capture. Raises GraphCaptureError with the cause; never falls back."""
+        b = self.buf
+        saved = (b.start.clone(), b.bonus.clone())
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with torch.cuda.stream(side):
+                r = _Round()
+                for fn in self._stage_fns():
+                    fn(r, key)
+                b.start.copy_(saved[0])
+                b.bonus.copy_(saved[1])
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            r = _Round()
+            fns = self._stage_fns()
+            groups = [[fn] for fn in fns] if per_stage else [fns]
+            graphs = []
+            for group in groups:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self._pool):
+                    for fn in group:
+                        fn(r, key)
+                graphs.append(g)
+        except Exception as e:
+            raise GraphCaptureError(f"CUDA graph capture of the round {key} (mode, budget, depth, bucket) failed: "
+                                    f"{type(e).__name__}: {e}. Run with eager=True to decode without graphs, and "
+                                    "report this.") from e
+        rec = _Graphs(graphs, r)
+        self._graphs[key] = rec
+        return rec
+
+    # ---- prefill -----------------------------------------------------------------------------------------
+
+    def _bucket(self, length: int) -> int:
+        return min(self.cap, max(MIN_BUCKET, 1 << (length - 1).bit_length()))
+
+    def _prefill(self, prompt: torch.Tensor):
+        """Causal prefill in chunks of at most MAX_T - 1 rows (eager); returns the last row's logits."""
+        b = self.buf
+        b.start.zero_()
+        n = prompt.numel()
+        chunk = MAX_T - 1
+        tri = torch.ones(chunk, chunk, dtype=torch.bool, device=self.device).tril()
+        logits = None
+        for s in range(0, n, chunk):
+            ids = prompt[s:s + chunk]
+            t = ids.numel()
+            bits = pack_visibility(tri[:t, :t].contiguous())
+            depths = b.arange[:t]
+            logits, feats = self._forward(ids, depths, bits, self._bucket(s + t), self.drafter is not None)
+            if self.drafter is not None:
+                self._extend_context(feats, t)
+            b.start.add_(t)
+        return logits[-1:]
+
+    # ---- generate ----------------------------------------------------------------------------------------
+
+    def round_key(self, mode: str, budget: Optional[int], remaining: int, start: int):
+        """(mode, budget, depth, bucket) and T for the next round (as the reference decides the block)."""
+        vocab = self.cfg.vocab_size
+        if mode == "ar":
+            return ("ar", 0, 0, self._bucket(start + 1)), 1
+        depth = min(self.drafter.block_size, remaining + 1) - 1
+        if mode == "chain":
+            t = depth + 1
+            return ("chain", 0, depth, self._bucket(start + t)), t
+        budget = self.drafter.block_size - 1 if budget is None else budget
+        t = node_count(depth, min(budget, vocab), budget) + 1
+        return ("ddtree", budget, depth, self._bucket(start + t)), t
+
+    @torch.no_grad()
+    def generate(self, prompt_ids, max_new_tokens: int = 128, mode: str = "ddtree", budget: Optional[int] = None,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: Optional[int] = None,
+                 stop_token_ids=None, trace: bool = False, on_tokens: Optional[Callable] = None,
+                 timing: Optional[RoundTiming] = None) -> GenerateOutput:
+        """reference.generate's contract (same tokens under greedy decoding, same acceptance_lengths)."""
+        prompt, stops = _check_args(self.target, self.drafter, prompt_ids, max_new_tokens, mode, budget,
+                                    temperature, top_p, top_k, stop_token_ids)
+        if budget is not None and budget > MAX_BUDGET:
+            raise ValueError(f"budget {budget} > {MAX_BUDGET}: the verify block holds at most {MAX_T} rows")
+        if prompt.numel() + max_new_tokens > self.max_seq_len:
+            raise ValueError(f"prompt ({prompt.numel()}) + max_new_tokens ({max_new_tokens}) exceeds this engine's "
+                             f"max_seq_len {self.max_seq_len}; build the Engine with a larger max_seq_len")
+        if trace:
+            raise ValueError("trace=True is the reference decoder's tool (reference.generate(..., trace=True)); "
+                             "the engine does not keep per-round trees")
+        if timing is not None and not (self.eager or self.stage_timing):
+            raise ValueError("per-stage timing needs Engine(..., stage_timing=True) (one graph per stage) or "
+                             "eager=True")
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        if self.backend == "cuda" and temperature > 0 and seed is not None:
+            torch.cuda.manual_seed(seed)
+        self._sampling = (temperature, top_p, top_k, gen)
+        b = self.buf
+        last = self._prefill(prompt)
+        first = int(self._choose(last)[0])
+        b.bonus.fill_(first)
+        start = prompt.numel()
+        emitted, rounds = [first], []
+        if on_tokens:
+            on_tokens([first])
+        wall0 = time.perf_counter()
+        while len(emitted) < max_new_tokens and emitted[-1] not in stops:
+            remaining = max_new_tokens - len(emitted)
+            key, t = self.round_key(mode, budget, remaining, start)
+            self._run_round(key, timing)
+            length, new = self._read_round(t)
+            start += length
+            new = new[:remaining]
+            for j, tok in enumerate(new):
+                if tok in stops:
+                    new = new[:j + 1]
+                    break
+            emitted += new
+            rounds.append(len(new))
+            if on_tokens:
+                on_tokens(new)
+        if timing is not None:
+            stages = sum(getattr(timing, s) for s in self.STAGES)
+            timing.host += (time.perf_counter() - wall0) * 1e3 - stages
+        return GenerateOutput(tokens=emitted, acceptance_lengths=rounds, trace=None)
+
+    def _read_round(self, t: int):
+        """The one host sync of a round: length and emitted tokens."""
+        b = self.buf
+        if self.device.type != "cuda":
+            n = int(b.out_length[0])
+            return n, b.out_tokens[:n].tolist()
+        b.host[0:1].copy_(b.out_length, non_blocking=True)
+        b.host[1:t + 2].copy_(b.out_tokens[:t + 1], non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        n = int(b.host[0])
+        return n, b.host[1:n + 1].tolist()
+
+    @property
+    def graph_count(self) -> int:
+        return len(self._graphs)
