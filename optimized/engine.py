@@ -54,7 +54,7 @@ from reference.tree import CompiledTree, Tree, build_tree as torch_build_tree, c
 
 from .mla_attention import MAX_T, pack_visibility, unpack_visibility
 
-__all__ = ["Engine", "GraphCaptureError", "RoundTiming", "BACKENDS", "MIN_BUCKET", "node_count"]
+__all__ = ["Engine", "AutoBudget", "GraphCaptureError", "RoundTiming", "BACKENDS", "MIN_BUCKET", "node_count"]
 
 BACKENDS = ("cuda", "torch")
 MIN_BUCKET = 256
@@ -89,6 +89,44 @@ class RoundTiming:
     def per_round(self) -> dict:
         n = max(self.rounds, 1)
         return {k: getattr(self, k) / n for k in ("draft", "tree", "verify", "commit", "host")}
+
+
+class AutoBudget:
+    """budget="auto": pick each round's budget from a measured cost model, the candidate with the most expected
+    committed tokens per second of round time. Both terms are measured online on this engine (running means
+    over the rounds that ran each candidate: tokens committed, bonus counted, and the wall time from launch to
+    the round's sync, graph captures excluded), so the choice tracks the drafter's current acceptance and the
+    target's real verify cost (which grows with the distinct experts a bigger tree touches). Every candidate is
+    tried `warmup` times first; afterwards the best ratio is taken, with one exploratory round in `explore`."""
+
+    def __init__(self, candidates: Sequence[int] = (4, 8, 16, 32, 64, 128), warmup: int = 2, explore: int = 16,
+                 decay: float = 0.9):
+        self.candidates = tuple(candidates)
+        self.warmup, self.explore, self.decay = warmup, explore, decay
+        self.tokens = {b: 0.0 for b in self.candidates}
+        self.seconds = {b: 0.0 for b in self.candidates}
+        self.count = {b: 0 for b in self.candidates}
+        self.rounds = 0
+        self.history: list = []
+
+    def choose(self) -> int:
+        self.rounds += 1
+        for b in self.candidates:
+            if self.count[b] < self.warmup:
+                return b
+        if self.rounds % self.explore == 0:                       # revisit the least-measured candidate
+            return min(self.candidates, key=lambda b: self.count[b])
+        return max(self.candidates, key=self.rate)
+
+    def rate(self, b: int) -> float:
+        return self.tokens[b] / max(self.seconds[b], 1e-12)
+
+    def observe(self, budget: int, committed: int, seconds: float) -> None:
+        d = self.decay if self.count[budget] >= self.warmup else 1.0
+        self.tokens[budget] = d * self.tokens[budget] + committed
+        self.seconds[budget] = d * self.seconds[budget] + seconds
+        self.count[budget] += 1
+        self.history.append(budget)
 
 
 # ---- backends ------------------------------------------------------------------------------------------------
@@ -567,9 +605,12 @@ class Engine:
                  stop_token_ids=None, trace: bool = False, on_tokens: Optional[Callable] = None,
                  timing: Optional[RoundTiming] = None) -> GenerateOutput:
         """reference.generate's contract (same tokens under greedy decoding, same acceptance_lengths)."""
-        prompt, stops = _check_args(self.target, self.drafter, prompt_ids, max_new_tokens, mode, budget,
-                                    temperature, top_p, top_k, stop_token_ids)
-        if budget is not None and budget > MAX_BUDGET:
+        auto = budget == "auto"
+        if auto and mode != "ddtree":
+            raise ValueError("budget='auto' applies to mode='ddtree'")
+        prompt, stops = _check_args(self.target, self.drafter, prompt_ids, max_new_tokens, mode,
+                                    None if auto else budget, temperature, top_p, top_k, stop_token_ids)
+        if not auto and budget is not None and budget > MAX_BUDGET:
             raise ValueError(f"budget {budget} > {MAX_BUDGET}: the verify block holds at most {MAX_T} rows")
         if prompt.numel() + max_new_tokens > self.max_seq_len:
             raise ValueError(f"prompt ({prompt.numel()}) + max_new_tokens ({max_new_tokens}) exceeds this engine's "
@@ -595,9 +636,14 @@ class Engine:
         wall0 = time.perf_counter()
         while len(emitted) < max_new_tokens and emitted[-1] not in stops:
             remaining = max_new_tokens - len(emitted)
-            key, t = self.round_key(mode, budget, remaining, start)
+            chosen = self.auto_budget.choose() if auto else budget
+            key, t = self.round_key(mode, chosen, remaining, start)
+            fresh = not self.eager and key not in self._graphs
+            r0 = time.perf_counter()
             self._run_round(key, timing)
             length, new = self._read_round(t)
+            if auto and not fresh:
+                self.auto_budget.observe(chosen, length, time.perf_counter() - r0)
             start += length
             new = new[:remaining]
             for j, tok in enumerate(new):
@@ -624,6 +670,12 @@ class Engine:
         torch.cuda.current_stream(self.device).synchronize()
         n = int(b.host[0])
         return n, b.host[1:n + 1].tolist()
+
+    @property
+    def auto_budget(self) -> "AutoBudget":
+        if getattr(self, "_auto", None) is None:
+            self._auto = AutoBudget()
+        return self._auto
 
     @property
     def graph_count(self) -> int:
