@@ -29,15 +29,18 @@ def provenance_info() -> dict:
         "cpu_count": os.cpu_count(),
         "host": platform.node(),
     }
-    try:
-        info["commit"] = subprocess.check_output(["git", "rev-parse", "--short=12", "HEAD"],
-                                                 cwd=os.path.dirname(__file__), text=True,
-                                                 stderr=subprocess.DEVNULL).strip()
-        dirty = subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"],
-                                        cwd=os.path.dirname(__file__), text=True).strip()
-        info["dirty"] = bool(dirty)
-    except (OSError, subprocess.CalledProcessError):
-        info["commit"] = os.environ.get("DDTREE_COMMIT", "unknown")
+    if os.environ.get("DDTREE_COMMIT"):              # set by the GPU runner: its checkout copy has a stale .git
+        info["commit"] = os.environ["DDTREE_COMMIT"]
+    else:
+        try:
+            info["commit"] = subprocess.check_output(["git", "rev-parse", "--short=12", "HEAD"],
+                                                     cwd=os.path.dirname(__file__), text=True,
+                                                     stderr=subprocess.DEVNULL).strip()
+            dirty = subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"],
+                                            cwd=os.path.dirname(__file__), text=True).strip()
+            info["dirty"] = bool(dirty)
+        except (OSError, subprocess.CalledProcessError):
+            info["commit"] = "unknown"
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
         info["cuda"] = torch.version.cuda

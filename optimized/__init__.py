@@ -28,6 +28,10 @@ __all__ = ["load_target", "load_drafter", "generate", "engine_for", "Engine", "E
 def load_target(path: str, dtype: torch.dtype = torch.bfloat16, device="cuda"):
     """reference.load_target with the engine's defaults (bf16 on the GPU). The INT4 experts are repacked for the
     kernels when the first engine over this target is built (once)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"load_target: device {device!r} asked for but this torch has no CUDA device "
+                           f"(torch {torch.__version__}); on a CPU use device='cpu' with backend='torch'")
     return reference.load_target(path, dtype=dtype, device=device)
 
 
