@@ -288,6 +288,7 @@ class Engine:
         self._alloc()
         self._graphs: dict = {}
         self._pool = None
+        self.expert_log: Optional[list] = None     # set to [] (eager) to record (layer, expert ids [T, K])
         self._sampling = None
 
     # ---- construction ----------------------------------------------------------------------------------
@@ -351,14 +352,18 @@ class Engine:
         if not self.cfg.is_moe_layer(i):
             return layer.mlp(x)
         if self.backend == "cuda":
-            from .moe import moe_forward, shared_expert
+            from .moe import moe_routed, router, shared_expert
             w = self.moe_weights[i]
+            idx, wt = router(x, w, self.cfg)
+            if self.expert_log is not None:                # diagnostics (eager only): experts per layer
+                self.expert_log.append((i, idx))
+            shared = shared_expert(x, w) if w.shared is not None else None
             if self.group is None:
-                return moe_forward(x, w, self.cfg)
-            part = moe_forward(x, w, self.cfg, partial=True, with_shared=False)    # fp32 [T, D]
+                return moe_routed(x, idx, wt, w, shared)
+            part = moe_routed(x, idx, wt, w, None, torch.float32)                  # fp32 partial [T, D]
             torch.distributed.all_reduce(part, group=self.group)
-            if w.shared is not None:
-                part += shared_expert(x, w).float()
+            if shared is not None:
+                part += shared.float()
             return part.to(x.dtype)
         moe = layer.mlp
         idx, w = moe.gate(x)
