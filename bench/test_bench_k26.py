@@ -21,7 +21,6 @@ import os
 import pytest
 import torch
 
-BW, PEAK = 4.24e12, 787e12
 PREFIX = 4096
 ROUNDS = 16
 CONFIGS = [("ar", None)] + [("ddtree", b) for b in (4, 8, 16, 32, 64)]
@@ -41,39 +40,14 @@ def engine():
     return eng
 
 
-def weight_bytes(module) -> int:
-    return sum(p.numel() * p.element_size() for n, p in module.named_parameters()
-               if p.device.type != "meta" and ".experts." not in n)
-
-
-def verify_floor(eng, t: int, distinct: list) -> dict:
-    """Seconds: the sum over the verify's kernels of max(bytes/BW, flops/PEAK), by part."""
-    cfg = eng.cfg
-    tgt = eng.target
-    expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * (0.5 + 2 / cfg.quantization_config.group_size)
-    dense = attn = moe = 0.0
-    for i, layer in enumerate(tgt.model.layers):
-        wb = weight_bytes(layer)                                            # attention + norms + dense/shared MLP
-        dense += max(wb / BW, 2 * t * wb / 2 / PEAK)
-        if cfg.is_moe_layer(i):
-            dense += cfg.n_routed_experts * cfg.hidden_size * 4 / BW         # router weight, fp32
-        keys = PREFIX + t
-        flops = 2176 * cfg.num_attention_heads * t * keys
-        attn += max(keys * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2 / BW, flops / PEAK)
-    for n in distinct:
-        moe += n * expert_bytes / BW
-    head = tgt.lm_head.weight.numel() * 2
-    dense += max(head / BW, 2 * t * head / 2 / PEAK)
-    return dict(dense=dense, attention=attn, moe=moe, total=dense + attn + moe, expert_bytes=expert_bytes)
-
-
 @pytest.mark.parametrize("mode,budget", CONFIGS, ids=[f"{m}-{b}" for m, b in CONFIGS])
 def test_k26_round(benchmark, provenance, engine, mode, budget):
     from optimized.engine import RoundTiming
+    from optimized.synthetic import distinct_experts, verify_floor
     eng = engine
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, eng.cfg.vocab_size - 8, (PREFIX,), generator=gen).tolist()
-    eng.generate(prompt, max_new_tokens=3, mode=mode, budget=budget, timing=RoundTiming())   # capture
+    eng.generate(prompt, max_new_tokens=ROUNDS + 1, mode=mode, budget=budget, timing=RoundTiming())  # capture
     timing = RoundTiming()
 
     def run():
@@ -81,18 +55,9 @@ def test_k26_round(benchmark, provenance, engine, mode, budget):
 
     out = benchmark.pedantic(run, rounds=1, iterations=1)
     per = timing.per_round()
-    # distinct experts per MoE layer in one verify of this shape: an eager pass with the router recorded
-    key, t = eng.round_key(mode, budget, ROUNDS, PREFIX)
-    eng.expert_log = []
-    eager, eng.eager = eng.eager, True
-    try:
-        eng.generate(prompt, max_new_tokens=2, mode=mode, budget=budget)
-    finally:
-        eng.eager = eager
-    rows = [idx for _, idx in eng.expert_log if idx.shape[0] == t]
-    eng.expert_log = None
-    distinct = [int(idx.unique().numel()) for idx in rows]
-    floor = verify_floor(eng, t, distinct)
+    key, t = eng.round_key(mode, budget, 1, PREFIX)          # the eager pass (one round) has the same row count
+    distinct = distinct_experts(eng, prompt, mode, budget, t)
+    floor = verify_floor(eng, t, distinct, PREFIX)
     row = dict(mode=mode, budget=budget, verify_rows=t, rounds=timing.rounds, stage_ms=per,
                round_ms=sum(per[k] for k in ("draft", "tree", "verify", "commit")),
                distinct_experts_per_layer=sum(distinct) / max(len(distinct), 1),

@@ -22,8 +22,10 @@ from reference.config import load_config, load_drafter_config
 from reference.drafter import Drafter, target_layer_ids_for
 from reference.target import Target, rope_inv_freq
 
-__all__ = ["k26_configs", "materialize", "random_moe_weights", "k26_engine_parts", "CONFIG_DIR"]
+__all__ = ["k26_configs", "materialize", "random_moe_weights", "k26_engine_parts", "verify_floor", "distinct_experts",
+           "CONFIG_DIR", "BW", "PEAK"]
 
+BW, PEAK = 4.24e12, 787e12       # H200 copy bandwidth (bytes read + written) and bf16 matmul peak (GPU.md)
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "fixtures", "configs")
 
 
@@ -106,3 +108,40 @@ def k26_engine_parts(layers: int, device="cuda", draft_layers: Optional[int] = N
     moe = {i: random_moe_weights(cfg, device, seed=seed + 100 + i, experts=experts)
            for i in range(layers) if cfg.is_moe_layer(i)}
     return target.eval(), drafter, moe
+
+
+def _weight_bytes(module) -> int:
+    return sum(p.numel() * p.element_size() for n, p in module.named_parameters()
+               if p.device.type != "meta" and ".experts." not in n)
+
+
+def verify_floor(engine, t: int, distinct: list, prefix: int) -> dict:
+    """Seconds for a verify of t rows over `prefix` cached rows: the sum over its kernels of max(bytes / BW,
+    flops / PEAK). distinct: experts touched per MoE layer (measured). Parts: dense (every non-expert weight
+    byte once, router fp32, lm_head), attention (latent rows once vs 2176 flop per head-key pair), moe."""
+    cfg, tgt = engine.cfg, engine.target
+    expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * (0.5 + 2 / cfg.quantization_config.group_size)
+    dense = attn = 0.0
+    for i, layer in enumerate(tgt.model.layers):
+        wb = _weight_bytes(layer)
+        dense += max(wb / BW, t * wb / PEAK)                                  # 2 * t * (wb / 2) flops
+        if cfg.is_moe_layer(i):
+            dense += cfg.n_routed_experts * cfg.hidden_size * 4 / BW
+        keys = prefix + t
+        attn += max(keys * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2 / BW,
+                    2176 * cfg.num_attention_heads * t * keys / PEAK)
+    moe = sum(distinct) * expert_bytes / BW
+    head = tgt.lm_head.weight.numel() * tgt.lm_head.weight.element_size()
+    dense += max(head / BW, t * head / PEAK)
+    return dict(dense=dense, attention=attn, moe=moe, total=dense + attn + moe, expert_bytes=expert_bytes)
+
+
+def distinct_experts(engine, prompt, mode: str, budget, rows: int) -> list:
+    """Experts touched per MoE layer by one verify of `rows` rows, from an eager pass with the router logged."""
+    engine.expert_log = []
+    eager, engine.eager = engine.eager, True
+    try:
+        engine.generate(prompt, max_new_tokens=2, mode=mode, budget=budget)
+        return [int(idx.unique().numel()) for _, idx in engine.expert_log if idx.shape[0] == rows]
+    finally:
+        engine.eager, engine.expert_log = eager, None

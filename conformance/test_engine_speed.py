@@ -1,0 +1,65 @@
+"""The engine's speed goals (issue 8) as conformance checks, GPU only (`speed` + `gpu` markers). Judged by ratios
+measured in the same run, never by absolute times:
+
+  trained pair   optimized ddtree tokens/s >= 2.5x optimized ar and >= 1.3x optimized chain (best budget of
+                 16 / 64 / 128; 4 golden prompts x 128 tokens; warm-up pass first, so graphs are captured)
+  K2.6 widths    a verify round (budget 32, prefix 4096, 3 layers: 1 dense + 2 MoE, random weights) within 1.3x
+                 of the sum of its kernels' floors (optimized.synthetic.verify_floor; distinct experts measured)
+"""
+import json
+import os
+import time
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.speed]
+HERE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "trained")
+
+
+def tokens_per_second(fn, prompts):
+    for p in prompts:                                              # warm-up: captures, builds
+        fn(p)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    n = sum(len(fn(p).tokens) for p in prompts)
+    torch.cuda.synchronize()
+    return n / (time.perf_counter() - t0)
+
+
+def test_trained_pair_ddtree_speedup():
+    import optimized
+    target = optimized.load_target(os.path.join(HERE, "target"))
+    drafter = optimized.load_drafter(os.path.join(HERE, "drafter"), target=target)
+    cases = json.load(open(os.path.join(HERE, "golden.json")))["cases"]
+    prompts = [c["prompt_ids"] for c in cases[:2] + cases[4:6]]          # 2 code, 2 plays
+
+    def rate(mode, budget=None):
+        return tokens_per_second(lambda p: optimized.generate(target, drafter, p, max_new_tokens=128, mode=mode,
+                                                              budget=budget), prompts)
+
+    ar, chain = rate("ar"), rate("chain")
+    best = max(rate("ddtree", b) for b in (16, 64, 128))
+    print(f"tokens/s: ar {ar:.0f}, chain {chain:.0f}, best ddtree {best:.0f}: {best / ar:.2f}x ar, "
+          f"{best / chain:.2f}x chain")
+    assert best >= 2.5 * ar, f"ddtree {best:.0f} tokens/s is {best / ar:.2f}x ar (goal 2.5x)"
+    assert best >= 1.3 * chain, f"ddtree {best:.0f} tokens/s is {best / chain:.2f}x chain (goal 1.3x)"
+
+
+def test_k26_verify_within_floor():
+    from optimized.engine import Engine, RoundTiming
+    from optimized.synthetic import distinct_experts, k26_engine_parts, verify_floor
+    prefix, budget = 4096, 32
+    target, drafter, moe = k26_engine_parts(3, "cuda", draft_layers=1)
+    eng = Engine(target, drafter, moe_weights=moe, max_seq_len=prefix + 64, stage_timing=True)
+    prompt = torch.randint(0, target.cfg.vocab_size - 8, (prefix,), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.tolist()
+    eng.generate(prompt, max_new_tokens=9, mode="ddtree", budget=budget, timing=RoundTiming())    # capture
+    timing = RoundTiming()
+    eng.generate(prompt, max_new_tokens=9, mode="ddtree", budget=budget, timing=timing)
+    _, t = eng.round_key("ddtree", budget, 1, prefix)
+    floor = verify_floor(eng, t, distinct_experts(eng, prompt, "ddtree", budget, t), prefix)["total"] * 1e3
+    verify = timing.per_round()["verify"]
+    print(f"K2.6 widths, 3 layers, T={t}, prefix {prefix}: verify {verify:.3f} ms, floor {floor:.3f} ms, "
+          f"ratio {verify / floor:.2f}")
+    assert verify <= 1.3 * floor, f"verify {verify:.3f} ms is {verify / floor:.2f}x its floor (goal 1.3x)"
