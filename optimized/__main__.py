@@ -4,10 +4,16 @@ The reference CLI's options (reference/__main__.py, shared code) with the engine
 its options: --backend cuda|torch, --eager (no CUDA graphs), --max-seq-len, --budget auto, and --timing (per-round
 device time by stage: draft, tree, verify, commit, from one CUDA graph per stage). Streams the text as rounds
 commit it; a progress line on stderr (tokens, tokens/s, tau) while it runs.
+
+Expert parallel over several GPUs (optimized.distributed): `torchrun --nproc-per-node N -m optimized generate ...`.
+Each rank loads its share of the routed experts and the replicated rest; rank 0 prints the text and the summary,
+the other ranks print only their errors (prefixed with the rank). --dist-timeout bounds every collective.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import time
 
@@ -37,13 +43,16 @@ class _Progress:
 class _Tier:
     """The optimized API with the CLI's engine options bound (run_generate calls load_target/generate)."""
 
-    def __init__(self, args):
+    def __init__(self, args, dist=None):
         import optimized
-        self.args, self.optimized = args, optimized
+        self.args, self.optimized, self.dist = args, optimized, dist
         self.timing = optimized.RoundTiming() if args.timing else None
         self.progress = None
 
     def load_target(self, path, dtype, device):
+        if self.dist is not None:
+            from optimized.distributed import load_target_shard
+            return load_target_shard(path, self.dist.rank, self.dist.world, dtype=dtype, device=self.dist.device)
         return self.optimized.load_target(path, dtype=dtype, device=device)
 
     def load_drafter(self, path, target):
@@ -59,15 +68,20 @@ class _Tier:
             on_tokens(new)
             self.progress(new)
 
-        out = self.optimized.generate(target, drafter, prompt, on_tokens=stream, trace=False, budget=budget,
-                                      backend=a.backend, eager=a.eager, max_seq_len=a.max_seq_len,
-                                      timing=self.timing, **kw)
+        run = self.optimized.generate
+        if self.dist is not None:
+            from optimized.distributed import generate_distributed as run
+        out = run(target, drafter, prompt, on_tokens=stream, budget=budget, backend=a.backend, eager=a.eager,
+                  max_seq_len=a.max_seq_len, timing=self.timing, **kw)
         self.progress.done()
         if self.timing is not None:
             per = self.timing.per_round()
             print("\nper round (device ms): " + ", ".join(f"{k} {v:.3f}" for k, v in per.items()) +
                   f" over {self.timing.rounds} rounds", file=sys.stderr)
-        print(f"backend {out.backend}, {out.graphs} CUDA graph(s)", file=sys.stderr)
+        ep = "" if self.dist is None else \
+            f", expert parallel over {self.dist.world} ranks ({self.dist.backend}, {len(target.expert_shard.experts)}" \
+            f" of {target.cfg.n_routed_experts} experts on rank 0)"
+        print(f"backend {out.backend}, {out.graphs} CUDA graph(s){ep}", file=sys.stderr)
         return out
 
 
@@ -83,15 +97,37 @@ def main(argv=None) -> int:
     g.add_argument("--budget-auto", action="store_true", help="pick each round's budget from the measured "
                    "cost model (overrides --budget)")
     g.add_argument("--timing", action="store_true", help="print per-round device time by stage")
+    g.add_argument("--dist-timeout", type=float, default=None, help="under torchrun: seconds any collective may "
+                   "wait (rendezvous and the slowest rank's load included) before the job fails; default 600")
     args = parser.parse_args(argv)
     if args.trace:
         print("error: --trace is the reference decoder's tool: python -m reference generate --trace", file=sys.stderr)
         return 2
+    from optimized.distributed import is_torchrun
+    if is_torchrun():
+        return _main_distributed(args)
     try:
         return run_generate(args, _Tier(args))
     except (ValueError, OSError, RuntimeError) as e:        # bad input or a missing GPU stack: one clear line
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _main_distributed(args) -> int:
+    """Under torchrun: one process per rank, expert parallel; only rank 0 writes the text and the summary."""
+    from optimized import distributed
+    rank = os.environ.get("RANK", "?")
+    try:
+        d = distributed.init(timeout_s=args.dist_timeout or distributed.DEFAULT_TIMEOUT_S, device=args.device)
+        quiet = d.rank != 0
+        with open(os.devnull, "w") as null, contextlib.redirect_stdout(null if quiet else sys.stdout), \
+                contextlib.redirect_stderr(null if quiet else sys.stderr), distributed.failure_guard():
+            return run_generate(args, _Tier(args, d))
+    except (ValueError, OSError, RuntimeError) as e:
+        print(f"error: rank {rank}: {e}", file=sys.stderr)
+        return 2
+    finally:
+        distributed.shutdown()
 
 
 if __name__ == "__main__":
