@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from reference.decode import GenerateOutput, _check_args, chain_tree, sample
 from reference.drafter import Drafter
@@ -409,11 +408,13 @@ class Engine:
             q = at.q_norm(at.q_proj(x).view(blk, at.heads, at.head_dim))
             q = apply_rope(q, cos, sin, interleave=False)
             k_blk, v_blk = at.keys_values(x, cos, sin)
-            k = torch.cat([b.ctx_k[i, :bucket], k_blk], 0).transpose(0, 1)            # [G, S, E]
-            v = torch.cat([b.ctx_v[i, :bucket], v_blk], 0).transpose(0, 1)
-            o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=visible,
-                                               enable_gqa=at.heads != at.kv_heads)     # [H, B, E]
-            h = h + at.o_proj(o.transpose(0, 1).reshape(blk, -1))
+            rep = at.heads // at.kv_heads       # einsum + repeat_interleave measured faster than SDPA with a
+            k = torch.cat([b.ctx_k[i, :bucket], k_blk], 0).repeat_interleave(rep, dim=1)   # bool mask + GQA
+            v = torch.cat([b.ctx_v[i, :bucket], v_blk], 0).repeat_interleave(rep, dim=1)   # (H200: 6.3 vs 7.0 ms
+            scores = torch.einsum("bhe,she->hbs", q, k).to(torch.promote_types(q.dtype, torch.float32))  # K2.6)
+            scores = (scores * at.head_dim ** -0.5).masked_fill(~visible[None], float("-inf"))
+            p = torch.softmax(scores, dim=-1).to(q.dtype)
+            h = h + at.o_proj(torch.einsum("hbs,she->bhe", p, v).reshape(blk, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return d.logits(d.norm(h)[1:])
 
