@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 if __name__ == "__main__":
@@ -43,7 +44,7 @@ TRAINED = os.path.join(ROOT, "fixtures", "trained")
 
 # ---- the worker (one per rank) ---------------------------------------------------------------------------------
 
-def worker(spec_path: str) -> None:
+def worker(spec_path: str) -> int:
     spec = json.load(open(spec_path))
     d = distributed.init(timeout_s=spec["timeout_s"], device=spec["device"])
     try:
@@ -54,7 +55,7 @@ def worker(spec_path: str) -> None:
             results = []
             for prompt, mode, budget in spec["runs"]:
                 def on_tokens(new, first=[True]):
-                    if d.rank == fail.get("rank") and not first[0]:     # after a round or two: peers are waiting
+                    if d.rank == fail.get("rank") and not first[0]:     # after a round: the peers are waiting
                         if fail["how"] == "raise":
                             raise RuntimeError(f"injected failure on rank {d.rank}")
                         time.sleep(3600)
@@ -67,6 +68,10 @@ def worker(spec_path: str) -> None:
         with open(f"{spec['out']}.{d.rank}.json", "w") as f:
             json.dump({"results": results, "experts": list(shard.experts), "tensors_read": sorted(shard.tensors_read),
                        "files_opened": sorted(shard.files_opened)}, f)
+        return 0
+    except Exception:
+        traceback.print_exc()       # handled here, so that no frame keeps the process group alive at exit
+        return 1
     finally:
         distributed.shutdown()
 
@@ -323,4 +328,4 @@ def test_nccl_cuda_engine_equals_the_single_gpu_engine(tmp_path):
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1])
+    sys.exit(worker(sys.argv[1]))

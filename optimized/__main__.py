@@ -16,6 +16,7 @@ import contextlib
 import os
 import sys
 import time
+import traceback
 
 from reference.__main__ import add_generate_args, run_generate
 
@@ -126,6 +127,10 @@ def _main_distributed(args) -> int:
     except (ValueError, OSError, RuntimeError) as e:
         print(f"error: rank {rank}: {e}", file=sys.stderr)
         return 2
+    except Exception:                   # handled (not left to the interpreter) so that shutdown frees the group
+        print(f"error: rank {rank}:", file=sys.stderr)
+        traceback.print_exc()
+        return 1
     finally:
         distributed.shutdown()
 

@@ -45,10 +45,12 @@ shard load takes longer than the default 10 minutes.
 from __future__ import annotations
 
 import datetime
+import gc
 import hashlib
 import json
 import os
 import random
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
@@ -68,6 +70,7 @@ __all__ = ["expert_shard", "load_target_shard", "ExpertShard", "init", "Dist", "
            "is_torchrun"]
 
 DEFAULT_TIMEOUT_S = 600.0
+_TARGETS: "weakref.WeakSet" = weakref.WeakSet()  # targets whose cached rank engines hold the process group
 _FAILED = "ddtree/failed/"                       # store key prefix: a rank's recorded error
 
 
@@ -201,6 +204,12 @@ def init(backend: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S, de
 
 
 def shutdown() -> None:
+    """Drop the cached rank engines, then destroy the process group. The engines hold the group, and a gloo group
+    still referenced at interpreter exit can abort the process ('terminate called without an active exception');
+    an Engine kept by the caller (engine_for_rank) must be dropped before this."""
+    for t in list(_TARGETS):
+        t.__dict__.pop("_ddtree_rank_engines", None)
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -288,6 +297,7 @@ def engine_for_rank(target: Target, drafter=None, *, group=None, experts=None, b
                                    f"held by {[int(count[e]) for e in bad]} ranks)")
         engines[key] = Engine(target, drafter, backend=backend, eager=eager, max_seq_len=max_seq_len,
                               experts=experts, group=group, stage_timing=stage_timing)
+        _TARGETS.add(target)
     return engines[key]
 
 
