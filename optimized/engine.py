@@ -34,14 +34,19 @@ Expert parallelism: pass `group` (a torch.distributed process group) and `expert
 ids). Each MoE layer computes its partial sum over the held experts and ends in one all-reduce; the tree,
 acceptance and commit are computed identically on every rank from identical logits, so ranks never disagree.
 
-Several requests: the state is per engine (one request). Buffers have no requests x budget limit: the largest
-verify block is budget 1024 + root; run one Engine per concurrent request on the same weights (they share the
-target and drafter modules and the repacked experts).
+Several requests: Engine(..., max_requests=R) sizes every buffer for R requests, and generate_batch(prompts)
+decodes them in shared rounds: one drafter forward over all blocks, R tree builds, ONE target forward over all
+R x T tree rows (dense layers and the INT4 MoE see R x T tokens at once; attention runs per request over its own
+prefix and tree mask), R walks, one commit. There is no requests x budget limit (the SGLang deployment's
+batched-GEMM cap): the MoE kernels take any token count, attention is launched per request. A finished request
+stops committing (its `active` flag) while the others go on. The tail block follows the request with the most
+tokens left, so a batch's greedy tokens equal each request's own run, and only tail-round acceptance counts can
+differ from a single-request run.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -149,13 +154,13 @@ class _TorchOps:
         dev = ids.device
         return out, torch.tensor([len(acc)], device=dev), torch.tensor([bonus], device=dev)
 
-    def attention(self, q_lat, q_pe, latent, bits, start, seq_len, scale):
+    def attention(self, q_lat, q_pe, latent, bits, start, seq_len, scale, out):
         t, s = q_lat.shape[0], latent.shape[0]
         p = int(start)
         vis = torch.zeros(t, s, dtype=torch.bool, device=latent.device)
         vis[:, :p] = True
         vis[:, p:p + t] = unpack_visibility(bits, t)
-        return torch_absorbed_attention(q_lat, q_pe, latent, vis, scale)
+        out.copy_(torch_absorbed_attention(q_lat, q_pe, latent, vis, scale))
 
 
 class _CudaOps:
@@ -185,62 +190,66 @@ class _CudaOps:
         acc = self._tree.follow_verified_tree(CompiledTree(ids, ids, parents, ids, None, 0), choices)
         return acc.indices, acc.length, acc.bonus
 
-    def attention(self, q_lat, q_pe, latent, bits, start, seq_len, scale):
-        return self._attn(q_lat, q_pe, latent, bits, scale, seq_len=seq_len)
+    def attention(self, q_lat, q_pe, latent, bits, start, seq_len, scale, out):
+        self._attn(q_lat, q_pe, latent, bits, scale, out=out, seq_len=seq_len)
 
 
 # ---- the engine ----------------------------------------------------------------------------------------------
 
 @dataclass
 class _Buffers:
-    latent: torch.Tensor                  # [layers, cap, C+R]
-    ctx_k: Optional[torch.Tensor]         # [draft layers, cap, G, E]
+    """Static device state for up to R requests (index r); slots are rows of a request's [cap] range."""
+    latent: torch.Tensor                  # [layers, R, cap, C+R]
+    ctx_k: Optional[torch.Tensor]         # [draft layers, R, cap, G, E]
     ctx_v: Optional[torch.Tensor]
-    start: torch.Tensor                   # int64 [1]: committed tokens
-    bonus: torch.Tensor                   # int64 [1]: the pending token
-    out_tokens: torch.Tensor              # int64 [MAX_T + 1]: the round's emitted tokens (first `length`)
-    out_length: torch.Tensor              # int64 [1]
-    host: torch.Tensor                    # int64 [MAX_T + 2] pinned: length, then the tokens
+    start: torch.Tensor                   # int64 [R]: committed tokens
+    bonus: torch.Tensor                   # int64 [R]: the pending token
+    active: torch.Tensor                  # int64 [R]: 1 while the request decodes (0: its commits are skipped)
+    out_tokens: torch.Tensor              # int64 [R, MAX_T + 1]: the round's emitted tokens (first `length`)
+    out_length: torch.Tensor              # int64 [R]
+    host: torch.Tensor                    # int64 [R, MAX_T + 2] pinned: length, then the tokens
+    host_active: torch.Tensor             # int64 [R] pinned
     arange: torch.Tensor                  # int64 [MAX_T + 1]
+    offs: torch.Tensor                    # int64 [R]: r * cap (flat slot of a request's row 0)
 
 
 @dataclass
 class _Round:
     """What a round's stages hand each other (device tensors; kept alive by the graph record)."""
-    logits_d: Optional[torch.Tensor] = None
-    tree: Optional[Tree] = None
-    ids: Optional[torch.Tensor] = None
-    depths: Optional[torch.Tensor] = None
-    parents: Optional[torch.Tensor] = None
-    bits: Optional[torch.Tensor] = None
-    logits: Optional[torch.Tensor] = None
-    feats: Optional[torch.Tensor] = None
-    choices: Optional[torch.Tensor] = None
-    acc: Optional[torch.Tensor] = None
+    logits_d: Optional[torch.Tensor] = None     # [R, depth, V]
+    ids: Optional[torch.Tensor] = None          # [R, T]
+    depths: Optional[torch.Tensor] = None       # [R, T]
+    parents: Optional[torch.Tensor] = None      # [R, T]
+    bits: Optional[torch.Tensor] = None         # int32 [R, Tp, W] (Tp: T rounded up so each request's words
+    logits: Optional[torch.Tensor] = None       #   start on a 16-byte boundary)
+    feats: Optional[torch.Tensor] = None        # [R, T, F]
+    choices: Optional[torch.Tensor] = None      # [R, T]
 
 
 @dataclass
 class _Graphs:
     graphs: list                          # one graph, or one per stage
     rnd: _Round
-    stages: list = field(default_factory=list)
 
 
-def _rms(x: torch.Tensor, norm) -> torch.Tensor:
-    return norm(x)
+def _pad4(t: int) -> int:
+    return -(-t // 4) * 4
 
 
 class Engine:
-    """One request's decode state over a (target, drafter) pair. See the module docstring.
+    """Decode state for up to `max_requests` requests over a (target, drafter) pair. See the module docstring.
 
     target: a reference.Target whose dense weights sit on the engine's device (routed experts may stay on the
     meta device when `moe_weights` is given). moe_weights: {layer: optimized.moe.MoEWeights} (default: repacked
-    from the target once, the held `experts` only). max_seq_len: prompt + new tokens the buffers hold.
+    from the target once, the held `experts` only). max_seq_len: prompt + new tokens the buffers hold per
+    request. max_requests: requests decoded together in one round (generate_batch); every round then runs one
+    drafter forward, one verify forward and one MoE pass per layer over all requests' rows together.
     """
 
     def __init__(self, target: Target, drafter: Optional[Drafter] = None, *, backend: str = "cuda",
                  eager: bool = False, max_seq_len: Optional[int] = None, moe_weights: Optional[dict] = None,
-                 experts: Optional[Sequence[int]] = None, group=None, stage_timing: bool = False):
+                 experts: Optional[Sequence[int]] = None, group=None, stage_timing: bool = False,
+                 max_requests: int = 1):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         cfg = target.cfg
@@ -250,6 +259,8 @@ class Engine:
         if drafter is not None and drafter.target is not target:
             raise ValueError("the drafter is attached to a different target; load it with load_drafter(path, "
                              "target=this_target)")
+        if isinstance(max_requests, bool) or not isinstance(max_requests, int) or max_requests < 1:
+            raise ValueError(f"max_requests must be a positive int, got {max_requests!r}")
         if backend == "cuda":
             if self.device.type != "cuda":
                 raise ValueError(f"backend='cuda' needs the target on a CUDA device (it is on {self.device}); "
@@ -271,6 +282,7 @@ class Engine:
             raise ValueError(f"max_seq_len {self.max_seq_len} outside 1..max_position_embeddings "
                              f"{cfg.max_position_embeddings}")
         self.cap = self.max_seq_len + MAX_T
+        self.max_requests = max_requests
         self._moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
         self.held = None if experts is None else sorted({int(e) for e in experts})
         if self.held is not None and any(not 0 <= e < cfg.n_routed_experts for e in self.held):
@@ -288,8 +300,8 @@ class Engine:
         self._alloc()
         self._graphs: dict = {}
         self._pool = None
-        self.expert_log: Optional[list] = None     # set to [] (eager) to record (layer, expert ids [T, K])
         self._sampling = None
+        self.expert_log: Optional[list] = None     # set to [] (eager) to record (layer, expert ids [T, K])
 
     # ---- construction ----------------------------------------------------------------------------------
 
@@ -301,52 +313,61 @@ class Engine:
             w = layer.self_attn.kv_b_proj.weight.view(h, -1, c)                     # [H, N+A, C]
             self._w_uk.append(w[:, :n].contiguous())
             self._w_uv.append(w[:, n:].contiguous())
-        amp = cfg.rope_scaling.amplitude if cfg.rope_scaling is not None else 1.0
-        self._rope_amp = amp
+        self._rope_amp = cfg.rope_scaling.amplitude if cfg.rope_scaling is not None else 1.0
 
     def _alloc(self):
-        cfg, dev = self.cfg, self.device
+        cfg, dev, r = self.cfg, self.device, self.max_requests
         row = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         z = dict(device=dev)
-        latent = torch.zeros(cfg.num_hidden_layers, self.cap, row, dtype=self.dtype, **z)
+        latent = torch.zeros(cfg.num_hidden_layers, r, self.cap, row, dtype=self.dtype, **z)
         ctx_k = ctx_v = None
         if self.drafter is not None:
             d = self.drafter.cfg
-            shape = (d.num_hidden_layers, self.cap, d.num_key_value_heads, d.dim_head)
+            shape = (d.num_hidden_layers, r, self.cap, d.num_key_value_heads, d.dim_head)
             ctx_k = torch.zeros(shape, dtype=self.drafter.fc.weight.dtype, **z)
             ctx_v = torch.zeros_like(ctx_k)
-        host = torch.zeros(MAX_T + 2, dtype=torch.long, pin_memory=dev.type == "cuda")
-        self.buf = _Buffers(latent, ctx_k, ctx_v, torch.zeros(1, dtype=torch.long, **z),
-                            torch.zeros(1, dtype=torch.long, **z), torch.zeros(MAX_T + 1, dtype=torch.long, **z),
-                            torch.zeros(1, dtype=torch.long, **z), host, torch.arange(MAX_T + 1, **z))
+        pin = dev.type == "cuda"
+        long = dict(dtype=torch.long, **z)
+        self.buf = _Buffers(latent, ctx_k, ctx_v, torch.zeros(r, **long), torch.zeros(r, **long),
+                            torch.ones(r, **long), torch.zeros(r, MAX_T + 1, **long), torch.zeros(r, **long),
+                            torch.zeros(r, MAX_T + 2, dtype=torch.long, pin_memory=pin),
+                            torch.ones(r, dtype=torch.long, pin_memory=pin), torch.arange(MAX_T + 1, **z),
+                            torch.arange(r, **z) * self.cap)
 
-    # ---- the target forward over T rows at slots start.. (prefill chunks and verify alike) -------------
+    # ---- the target forward over T rows per request at slots start.. (prefill chunks and verify alike) -------
 
     def _forward(self, ids: torch.Tensor, depths: torch.Tensor, bits: torch.Tensor, bucket: int,
-                 want_feats: bool):
-        """ids [T] at positions start + depths, visibility: prefix + bits. Writes latent rows at slots
-        start..start+T-1. Returns (logits [T, V], features [T, F] or None)."""
+                 want_feats: bool, r0: int = 0):
+        """Requests r0..r0+n-1: ids [n, T] at positions start + depths [n, T], visibility: their prefix + bits
+        [n, Tp, W]. Writes latent rows at slots start..start+T-1. Returns (logits [n, T, V], features
+        [n, T, F] or None)."""
         cfg, b = self.cfg, self.buf
-        t = ids.shape[0]
-        slots = b.start + b.arange[:t]                                             # [T]
-        seq_len = (b.start + t).to(torch.int32)
-        cos, sin = rope_cos_sin(self.target.inv_freq, b.start + depths, self._rope_amp)
-        h = self.target.embed(ids)
+        n, t = ids.shape
+        start = b.start[r0:r0 + n]
+        slots = (b.offs[r0:r0 + n, None] + start[:, None] + b.arange[:t]).reshape(-1)      # flat [n*T]
+        seq_len = (start + t).to(torch.int32)
+        cos, sin = rope_cos_sin(self.target.inv_freq, (start[:, None] + depths).reshape(-1), self._rope_amp)
+        h = self.target.embed(ids.reshape(-1))                                               # [n*T, D]
         feats = {}
         for i, layer in enumerate(self.target.model.layers):
             at = layer.self_attn
             q_nope, q_pe, rows = at.project(layer.input_layernorm(h), cos, sin)
-            b.latent[i].index_copy_(0, slots, rows)
-            q_lat = torch.einsum("thn,hnc->thc", q_nope, self._w_uk[i])
-            o_lat = self.ops.attention(q_lat.contiguous(), q_pe.contiguous(), b.latent[i, :bucket], bits,
-                                       b.start, seq_len, cfg.softmax_scale)
+            flat = b.latent[i].view(-1, b.latent.shape[-1])                                  # [R*cap, C+R]
+            flat.index_copy_(0, slots, rows)
+            q_lat = torch.einsum("thn,hnc->thc", q_nope, self._w_uk[i]).contiguous()
+            q_pe = q_pe.contiguous()
+            o_lat = torch.empty_like(q_lat)
+            for j in range(n):                        # one attention launch per request (its own prefix)
+                rows_j = slice(j * t, (j + 1) * t)
+                self.ops.attention(q_lat[rows_j], q_pe[rows_j], b.latent[i, r0 + j, :bucket], bits[j, :t],
+                                   start[j:j + 1], seq_len[j:j + 1], cfg.softmax_scale, o_lat[rows_j])
             o = torch.einsum("thc,hac->tha", o_lat, self._w_uv[i])
-            h = h + at.o_proj(o.reshape(t, -1))
+            h = h + at.o_proj(o.reshape(n * t, -1))
             h = h + self._mlp(i, layer, layer.post_attention_layernorm(h))
             if want_feats and i in self.layer_ids:
                 feats[i] = h
-        logits = self.target.head(h)
-        return logits, (torch.cat([feats[i] for i in self.layer_ids], -1) if want_feats else None)
+        logits = self.target.head(h).view(n, t, -1)
+        return logits, (torch.cat([feats[i] for i in self.layer_ids], -1).view(n, t, -1) if want_feats else None)
 
     def _mlp(self, i: int, layer, x: torch.Tensor) -> torch.Tensor:
         if not self.cfg.is_moe_layer(i):
@@ -379,46 +400,50 @@ class Engine:
 
     # ---- the drafter over the static context -------------------------------------------------------------
 
-    def _extend_context(self, feats: torch.Tensor, n: int):
-        """Context keys/values of feats [n, F] at positions/slots start..start+n-1 (rows past the accepted
-        count are garbage beyond the committed context and get overwritten later)."""
+    def _extend_context(self, feats: torch.Tensor, r0: int = 0):
+        """Context keys/values of feats [n, m, F] (requests r0..r0+n-1) at positions/slots start..start+m-1 (rows
+        past a request's accepted count are garbage beyond its committed context, overwritten later)."""
         d, b = self.drafter, self.buf
-        c = d.hidden_norm(d.fc(feats.to(d.fc.weight.dtype)))
-        slots = b.start + b.arange[:n]
-        cos, sin = d._cos_sin(slots)
+        n, m = feats.shape[:2]
+        c = d.hidden_norm(d.fc(feats.reshape(n * m, -1).to(d.fc.weight.dtype)))
+        pos = (b.start[r0:r0 + n, None] + b.arange[:m]).reshape(-1)
+        slots = pos + b.offs[r0:r0 + n].repeat_interleave(m)
+        cos, sin = d._cos_sin(pos)
         for i, layer in enumerate(d.layers):
             k, v = layer.self_attn.keys_values(c, cos, sin)
-            b.ctx_k[i].index_copy_(0, slots, k)
-            b.ctx_v[i].index_copy_(0, slots, v)
+            b.ctx_k[i].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+            b.ctx_v[i].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
 
-    def _draft(self, depth: int, bucket: int) -> torch.Tensor:
-        """Draft logits [depth, V] for positions start+1..start+depth, block [bonus, mask x depth]."""
+    def _draft(self, depth: int, bucket: int, n: int) -> torch.Tensor:
+        """Draft logits [n, depth, V] for positions start+1..start+depth, blocks [bonus, mask x depth]."""
         d, b = self.drafter, self.buf
         blk = depth + 1
-        ids = torch.cat([b.bonus, torch.full((depth,), d.mask_token_id, dtype=torch.long, device=self.device)])
-        h = self.target.embed(ids).to(d.fc.weight.dtype) * d.cfg.input_embedding_scale
-        pos = b.start + b.arange[:blk]
-        cos, sin = d._cos_sin(pos)
+        ids = torch.cat([b.bonus[:n, None],
+                         torch.full((n, depth), d.mask_token_id, dtype=torch.long, device=self.device)], 1)
+        h = self.target.embed(ids.reshape(-1)).to(d.fc.weight.dtype) * d.cfg.input_embedding_scale  # [n*B, D]
+        start = b.start[:n]
+        cos, sin = d._cos_sin((start[:, None] + b.arange[:blk]).reshape(-1))
         keys = torch.arange(bucket, device=self.device)
-        visible = torch.cat([(keys < b.start).expand(blk, bucket),
-                             torch.ones(blk, blk, dtype=torch.bool, device=self.device)], 1)   # [B, bucket+B]
+        visible = torch.cat([(keys[None, :] < start[:, None])[:, None, :].expand(n, blk, bucket),
+                             torch.ones(n, blk, blk, dtype=torch.bool, device=self.device)], 2)  # [n, B, bucket+B]
         for i, layer in enumerate(d.layers):
             at = layer.self_attn
             x = layer.input_layernorm(h)
-            q = at.q_norm(at.q_proj(x).view(blk, at.heads, at.head_dim))
-            q = apply_rope(q, cos, sin, interleave=False)
+            q = at.q_norm(at.q_proj(x).view(n * blk, at.heads, at.head_dim))
+            q = apply_rope(q, cos, sin, interleave=False).view(n, blk, at.heads, at.head_dim)
             k_blk, v_blk = at.keys_values(x, cos, sin)
             rep = at.heads // at.kv_heads       # einsum + repeat_interleave measured faster than SDPA with a
-            k = torch.cat([b.ctx_k[i, :bucket], k_blk], 0).repeat_interleave(rep, dim=1)   # bool mask + GQA
-            v = torch.cat([b.ctx_v[i, :bucket], v_blk], 0).repeat_interleave(rep, dim=1)   # (H200: 6.3 vs 7.0 ms
-            scores = torch.einsum("bhe,she->hbs", q, k).to(torch.promote_types(q.dtype, torch.float32))  # K2.6)
-            scores = (scores * at.head_dim ** -0.5).masked_fill(~visible[None], float("-inf"))
+            k = torch.cat([b.ctx_k[i, :n, :bucket], k_blk.view(n, blk, at.kv_heads, -1)], 1)   # bool mask + GQA
+            v = torch.cat([b.ctx_v[i, :n, :bucket], v_blk.view(n, blk, at.kv_heads, -1)], 1)   # (H200, K2.6:
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)         # 6.3 vs 7.0 ms)
+            scores = torch.einsum("nbhe,nshe->nhbs", q, k).to(torch.promote_types(q.dtype, torch.float32))
+            scores = (scores * at.head_dim ** -0.5).masked_fill(~visible[:, None], float("-inf"))
             p = torch.softmax(scores, dim=-1).to(q.dtype)
-            h = h + at.o_proj(torch.einsum("hbs,she->bhe", p, v).reshape(blk, -1))
+            h = h + at.o_proj(torch.einsum("nhbs,nshe->nbhe", p, v).reshape(n * blk, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return d.logits(d.norm(h)[1:])
+        return d.logits(d.norm(h).view(n, blk, -1)[:, 1:])
 
-    # ---- one round, as stages ----------------------------------------------------------------------------
+    # ---- one round, as stages (all requests of the batch together) ----------------------------------------
 
     def _choose(self, logits: torch.Tensor) -> torch.Tensor:
         temperature, top_p, top_k, gen = self._sampling
@@ -439,47 +464,61 @@ class Engine:
         return (probs.log() - (-u.log()).log()).argmax(-1)              # Gumbel-max: a draw from probs
 
     def _stage_draft(self, r: _Round, key):
-        mode, budget, depth, bucket = key
+        n, mode, budget, depth, bucket = key
         if mode != "ar":
-            r.logits_d = self._draft(depth, bucket)
+            r.logits_d = self._draft(depth, bucket, n)
 
     def _stage_tree(self, r: _Round, key):
-        mode, budget, depth, bucket = key
-        b = self.buf
+        n, mode, budget, depth, bucket = key
+        b, dev = self.buf, self.device
         if mode == "ar":
-            r.ids, r.depths = b.bonus, torch.zeros(1, dtype=torch.long, device=self.device)
-            r.parents = torch.full((1,), -1, dtype=torch.long, device=self.device)
-            r.bits = torch.ones(1, 1, dtype=torch.int32, device=self.device)
+            r.ids, r.depths = b.bonus[:n, None], torch.zeros(n, 1, dtype=torch.long, device=dev)
+            r.parents = torch.full((n, 1), -1, dtype=torch.long, device=dev)
+            r.bits = torch.ones(n, 4, 1, dtype=torch.int32, device=dev)
             return
-        r.tree = chain_tree(r.logits_d) if mode == "chain" else self.ops.build_tree(r.logits_d, budget)
-        r.ids, r.depths, r.parents, r.bits = self.ops.compile(r.tree, b.bonus)
+        parts = []
+        for j in range(n):
+            tree = chain_tree(r.logits_d[j]) if mode == "chain" else self.ops.build_tree(r.logits_d[j], budget)
+            parts.append(self.ops.compile(tree, b.bonus[j:j + 1]))
+        r.ids, r.depths, r.parents = (torch.stack([p[k] for p in parts]) for k in range(3))
+        t, w = parts[0][3].shape
+        r.bits = torch.zeros(n, _pad4(t), w, dtype=torch.int32, device=dev)
+        r.bits[:, :t] = torch.stack([p[3] for p in parts])
 
     def _stage_verify(self, r: _Round, key):
-        mode, budget, depth, bucket = key
-        r.logits, r.feats = self._forward(r.ids, r.depths, r.bits, bucket, mode != "ar")
-        r.choices = self._choose(r.logits)
+        n, mode = key[0], key[1]
+        r.logits, r.feats = self._forward(r.ids, r.depths, r.bits, key[4], mode != "ar")
+        t = r.ids.shape[1]
+        r.choices = self._choose(r.logits.reshape(n * t, -1)).view(n, t)
 
     def _stage_commit(self, r: _Round, key):
-        mode = key[0]
-        b = self.buf
-        t = r.ids.shape[0]
+        n, mode = key[0], key[1]
+        b, dev = self.buf, self.device
+        t = r.ids.shape[1]
         if mode == "ar":
-            acc = torch.zeros(1, dtype=torch.long, device=self.device)
-            length, bonus = torch.ones(1, dtype=torch.long, device=self.device), r.choices[:1]
+            acc = torch.zeros(n, 1, dtype=torch.long, device=dev)
+            length, bonus = torch.ones(n, dtype=torch.long, device=dev), r.choices[:, 0]
         else:
-            acc, length, bonus = self.ops.follow(r.ids, r.parents, r.choices)
-        r.acc = acc
-        src = b.start + acc.clamp(min=0)                                   # [T] (rows past length: junk)
-        rows = b.latent.index_select(1, src)                               # gather first ...
-        b.latent.index_copy_(1, b.start + b.arange[:t], rows)              # ... then write
+            outs = [self.ops.follow(r.ids[j], r.parents[j], r.choices[j]) for j in range(n)]
+            acc = torch.stack([o[0] for o in outs])                            # [n, T], -1 past the path
+            length = torch.cat([o[1].reshape(1) for o in outs])                # [n]
+            bonus = torch.cat([o[2].reshape(1) for o in outs])
+        start, base = b.start[:n], b.offs[:n, None] + b.start[:n, None]
+        src = (base + acc.clamp(min=0)).reshape(-1)                            # rows past length: junk
+        dst = (base + b.arange[:t]).reshape(-1)
+        flat = b.latent.view(b.latent.shape[0], -1, b.latent.shape[-1])       # [layers, R*cap, C+R]
+        rows = flat.index_select(1, src)                                       # gather first ...
+        flat.index_copy_(1, dst, rows)                                         # ... then write
         if mode != "ar":
-            self._extend_context(r.feats.index_select(0, acc.clamp(min=0)), t)
-        emitted = torch.cat([r.ids.index_select(0, acc[1:].clamp(min=0)), bonus.reshape(1)])
-        b.out_tokens[:t].copy_(emitted)
-        b.out_tokens.scatter_(0, length - 1, bonus.reshape(1))
-        b.out_length.copy_(length)
-        b.start.add_(length)
-        b.bonus.copy_(bonus.reshape(1))
+            idx = acc.clamp(min=0)[..., None].expand(-1, -1, r.feats.shape[-1])
+            self._extend_context(r.feats.gather(1, idx))
+        emitted = torch.cat([r.ids.gather(1, acc[:, 1:].clamp(min=0)), bonus[:, None]], 1)   # [n, T]
+        b.out_tokens[:n, :t].copy_(emitted)
+        b.out_tokens[:n].scatter_(1, (length - 1)[:, None], bonus[:, None])
+        active = b.active[:n]
+        b.out_length[:n].copy_(length)
+        start.add_(length * active)
+        b.bonus[:n].copy_(torch.where(active.bool(), bonus, b.bonus[:n]))
 
     STAGES = ("draft", "tree", "verify", "commit")
 
@@ -512,8 +551,7 @@ class Engine:
                                "stage_timing=True)")
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(calls) + 1)] \
             if self.device.type == "cuda" else None
-        t0 = time.perf_counter()
-        marks = [t0]
+        marks = [time.perf_counter()]
         for i, call in enumerate(calls):
             if ev:
                 ev[i].record()
@@ -558,9 +596,9 @@ class Engine:
                         fn(r, key)
                 graphs.append(g)
         except Exception as e:
-            raise GraphCaptureError(f"CUDA graph capture of the round {key} (mode, budget, depth, bucket) failed: "
-                                    f"{type(e).__name__}: {e}. Run with eager=True to decode without graphs, and "
-                                    "report this.") from e
+            raise GraphCaptureError(f"CUDA graph capture of the round {key} (requests, mode, budget, depth, "
+                                    f"bucket) failed: {type(e).__name__}: {e}. Run with eager=True to decode "
+                                    "without graphs, and report this.") from e
         rec = _Graphs(graphs, r)
         self._graphs[key] = rec
         return rec
@@ -570,10 +608,10 @@ class Engine:
     def _bucket(self, length: int) -> int:
         return min(self.cap, max(MIN_BUCKET, 1 << (length - 1).bit_length()))
 
-    def _prefill(self, prompt: torch.Tensor):
-        """Causal prefill in chunks of at most MAX_T - 1 rows (eager); returns the last row's logits."""
+    def _prefill(self, prompt: torch.Tensor, r: int):
+        """Request r: causal prefill in chunks of at most MAX_T - 1 rows (eager); the last row's logits [1, V]."""
         b = self.buf
-        b.start.zero_()
+        b.start[r] = 0
         n = prompt.numel()
         chunk = MAX_T - 1
         tri = torch.ones(chunk, chunk, dtype=torch.bool, device=self.device).tril()
@@ -581,45 +619,69 @@ class Engine:
         for s in range(0, n, chunk):
             ids = prompt[s:s + chunk]
             t = ids.numel()
-            bits = pack_visibility(tri[:t, :t].contiguous())
-            depths = b.arange[:t]
-            logits, feats = self._forward(ids, depths, bits, self._bucket(s + t), self.drafter is not None)
+            bits = torch.zeros(1, _pad4(t), (t + 31) // 32, dtype=torch.int32, device=self.device)
+            bits[0, :t] = pack_visibility(tri[:t, :t].contiguous())
+            logits, feats = self._forward(ids[None], b.arange[None, :t], bits, self._bucket(s + t),
+                                          self.drafter is not None, r0=r)
             if self.drafter is not None:
-                self._extend_context(feats, t)
-            b.start.add_(t)
-        return logits[-1:]
+                self._extend_context(feats, r0=r)
+            b.start[r] += t
+        return logits[0, -1:]
 
     # ---- generate ----------------------------------------------------------------------------------------
 
-    def round_key(self, mode: str, budget: Optional[int], remaining: int, start: int):
-        """(mode, budget, depth, bucket) and T for the next round (as the reference decides the block)."""
+    def round_key(self, mode: str, budget: Optional[int], remaining: int, start: int, n: int = 1):
+        """(requests, mode, budget, depth, bucket) and T for the next round. remaining: the most tokens any
+        request of the batch may still emit (so one request alone gets the reference's tail block); start:
+        the longest committed length among them."""
         vocab = self.cfg.vocab_size
         if mode == "ar":
-            return ("ar", 0, 0, self._bucket(start + 1)), 1
+            return (n, "ar", 0, 0, self._bucket(start + 1)), 1
         depth = min(self.drafter.block_size, remaining + 1) - 1
         if mode == "chain":
             t = depth + 1
-            return ("chain", 0, depth, self._bucket(start + t)), t
+            return (n, "chain", 0, depth, self._bucket(start + t)), t
         budget = self.drafter.block_size - 1 if budget is None else budget
         t = node_count(depth, min(budget, vocab), budget) + 1
-        return ("ddtree", budget, depth, self._bucket(start + t)), t
+        return (n, "ddtree", budget, depth, self._bucket(start + t)), t
 
     @torch.no_grad()
-    def generate(self, prompt_ids, max_new_tokens: int = 128, mode: str = "ddtree", budget: Optional[int] = None,
+    def generate(self, prompt_ids, max_new_tokens: int = 128, mode: str = "ddtree", budget=None,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: Optional[int] = None,
                  stop_token_ids=None, trace: bool = False, on_tokens: Optional[Callable] = None,
                  timing: Optional[RoundTiming] = None) -> GenerateOutput:
-        """reference.generate's contract (same tokens under greedy decoding, same acceptance_lengths)."""
+        """reference.generate's contract (same tokens under greedy decoding, same acceptance_lengths).
+        budget: an int (DDTree nodes), None (block_size - 1) or "auto" (AutoBudget)."""
+        cb = (lambda r, new: on_tokens(new)) if on_tokens else None
+        return self.generate_batch([prompt_ids], max_new_tokens, mode, budget, temperature, top_p, top_k, seed,
+                                   stop_token_ids, trace, cb, timing)[0]
+
+    @torch.no_grad()
+    def generate_batch(self, prompts: Sequence, max_new_tokens: int = 128, mode: str = "ddtree", budget=None,
+                       temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: Optional[int] = None,
+                       stop_token_ids=None, trace: bool = False, on_tokens: Optional[Callable] = None,
+                       timing: Optional[RoundTiming] = None) -> list:
+        """Decode len(prompts) <= max_requests requests together: each round drafts, verifies (one target
+        forward over every request's tree rows; attention per request over its own prefix) and commits all of
+        them. Each request's greedy tokens equal its own generate(); a request that finishes stops committing
+        while the others go on. on_tokens(r, new) streams request r's tokens. Returns a GenerateOutput each."""
+        n = len(prompts)
+        if not 1 <= n <= self.max_requests:
+            raise ValueError(f"{n} prompts for an engine built with max_requests={self.max_requests}")
         auto = budget == "auto"
         if auto and mode != "ddtree":
             raise ValueError("budget='auto' applies to mode='ddtree'")
-        prompt, stops = _check_args(self.target, self.drafter, prompt_ids, max_new_tokens, mode,
-                                    None if auto else budget, temperature, top_p, top_k, stop_token_ids)
+        if auto and n > 1:
+            raise ValueError("budget='auto' times single-request rounds; use a fixed budget for a batch")
+        checked = [_check_args(self.target, self.drafter, p, max_new_tokens, mode, None if auto else budget,
+                               temperature, top_p, top_k, stop_token_ids) for p in prompts]
+        stops = checked[0][1]
         if not auto and budget is not None and budget > MAX_BUDGET:
             raise ValueError(f"budget {budget} > {MAX_BUDGET}: the verify block holds at most {MAX_T} rows")
-        if prompt.numel() + max_new_tokens > self.max_seq_len:
-            raise ValueError(f"prompt ({prompt.numel()}) + max_new_tokens ({max_new_tokens}) exceeds this engine's "
-                             f"max_seq_len {self.max_seq_len}; build the Engine with a larger max_seq_len")
+        for p, _ in checked:
+            if p.numel() + max_new_tokens > self.max_seq_len:
+                raise ValueError(f"prompt ({p.numel()}) + max_new_tokens ({max_new_tokens}) exceeds this engine's "
+                                 f"max_seq_len {self.max_seq_len}; build the Engine with a larger max_seq_len")
         if trace:
             raise ValueError("trace=True is the reference decoder's tool (reference.generate(..., trace=True)); "
                              "the engine does not keep per-round trees")
@@ -631,50 +693,58 @@ class Engine:
             torch.cuda.manual_seed(seed)
         self._sampling = (temperature, top_p, top_k, gen)
         b = self.buf
-        last = self._prefill(prompt)
-        first = int(self._choose(last)[0])
-        b.bonus.fill_(first)
-        start = prompt.numel()
-        emitted, rounds = [first], []
-        if on_tokens:
-            on_tokens([first])
+        emitted, rounds, starts = [], [[] for _ in range(n)], []
+        for r, (p, _) in enumerate(checked):
+            first = int(self._choose(self._prefill(p, r))[0])
+            b.bonus[r] = first
+            emitted.append([first])
+            starts.append(p.numel())
+            if on_tokens:
+                on_tokens(r, [first])
+        done = [len(e) >= max_new_tokens or e[-1] in stops for e in emitted]
         wall0 = time.perf_counter()
-        while len(emitted) < max_new_tokens and emitted[-1] not in stops:
-            remaining = max_new_tokens - len(emitted)
+        while not all(done):
+            b.host_active[:n].copy_(torch.tensor([0 if d else 1 for d in done]))
+            b.active[:n].copy_(b.host_active[:n], non_blocking=True)
+            remaining = max(max_new_tokens - len(e) for e, d in zip(emitted, done) if not d)
             chosen = self.auto_budget.choose() if auto else budget
-            key, t = self.round_key(mode, chosen, remaining, start)
+            key, t = self.round_key(mode, chosen, remaining, max(starts), n)
             fresh = not self.eager and key not in self._graphs
             r0 = time.perf_counter()
             self._run_round(key, timing)
-            length, new = self._read_round(t)
+            lengths, tokens = self._read_round(n, t)
             if auto and not fresh:
-                self.auto_budget.observe(chosen, length, time.perf_counter() - r0)
-            start += length
-            new = new[:remaining]
-            for j, tok in enumerate(new):
-                if tok in stops:
-                    new = new[:j + 1]
-                    break
-            emitted += new
-            rounds.append(len(new))
-            if on_tokens:
-                on_tokens(new)
+                self.auto_budget.observe(chosen, lengths[0], time.perf_counter() - r0)
+            for r in range(n):
+                if done[r]:
+                    continue
+                starts[r] += lengths[r]
+                new = tokens[r][:max_new_tokens - len(emitted[r])]
+                for j, tok in enumerate(new):
+                    if tok in stops:
+                        new = new[:j + 1]
+                        break
+                emitted[r] += new
+                rounds[r].append(len(new))
+                done[r] = len(emitted[r]) >= max_new_tokens or emitted[r][-1] in stops
+                if on_tokens:
+                    on_tokens(r, new)
         if timing is not None:
             stages = sum(getattr(timing, s) for s in self.STAGES)
             timing.host += (time.perf_counter() - wall0) * 1e3 - stages
-        return GenerateOutput(tokens=emitted, acceptance_lengths=rounds, trace=None)
+        return [GenerateOutput(tokens=e, acceptance_lengths=rd, trace=None) for e, rd in zip(emitted, rounds)]
 
-    def _read_round(self, t: int):
-        """The one host sync of a round: length and emitted tokens."""
+    def _read_round(self, n: int, t: int):
+        """The one host sync of a round: per request its committed length and emitted tokens."""
         b = self.buf
         if self.device.type != "cuda":
-            n = int(b.out_length[0])
-            return n, b.out_tokens[:n].tolist()
-        b.host[0:1].copy_(b.out_length, non_blocking=True)
-        b.host[1:t + 2].copy_(b.out_tokens[:t + 1], non_blocking=True)
+            lengths = b.out_length[:n].tolist()
+            return lengths, [b.out_tokens[r, :lengths[r]].tolist() for r in range(n)]
+        b.host[:n, 0].copy_(b.out_length[:n], non_blocking=True)
+        b.host[:n, 1:t + 2].copy_(b.out_tokens[:n, :t + 1], non_blocking=True)
         torch.cuda.current_stream(self.device).synchronize()
-        n = int(b.host[0])
-        return n, b.host[1:n + 1].tolist()
+        lengths = b.host[:n, 0].tolist()
+        return lengths, [b.host[r, 1:lengths[r] + 1].tolist() for r in range(n)]
 
     @property
     def auto_budget(self) -> "AutoBudget":
