@@ -23,6 +23,7 @@ CONFIGS = [("ar", None), ("chain", None)] + [("ddtree", b) for b in (4, 8, 16, 3
     [("ddtree", "auto")]
 NEW = 128
 ROWS: list = []
+BATCH_ROWS: list = []
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -80,6 +81,25 @@ def test_engine_tokens_per_second(benchmark, provenance, pair, mode, budget):
     ROWS.append(row)
 
 
+@pytest.mark.parametrize("requests", [1, 2, 4, 8])
+def test_engine_batched_throughput(benchmark, provenance, pair, requests):
+    """Aggregate tokens/s of ddtree budget 32 with `requests` prompts per round (golden prompts, cycled)."""
+    from optimized.engine import Engine
+    target, drafter = pair
+    ps = (prompts() * 2)[:requests]
+    eng = Engine(target, drafter, max_seq_len=512, max_requests=requests)
+    eng.generate_batch(ps, max_new_tokens=NEW, mode="ddtree", budget=32)          # capture
+    outs = benchmark.pedantic(lambda: eng.generate_batch(ps, max_new_tokens=NEW, mode="ddtree", budget=32),
+                              rounds=3, iterations=1)
+    seconds = benchmark.stats.stats.median
+    tokens = sum(len(o.tokens) for o in outs)
+    row = dict(mode="ddtree-batch", budget=32, requests=requests, tokens=tokens, seconds=seconds,
+               tokens_per_s=tokens / seconds, tau=sum(sum(o.acceptance_lengths) for o in outs) /
+               sum(len(o.acceptance_lengths) for o in outs))
+    benchmark.extra_info.update(row)
+    BATCH_ROWS.append(row)
+
+
 def test_write_report(provenance):
     """Summary JSON/markdown/PNG of the rows above (runs last in this file)."""
     out = os.environ.get("DDTREE_BENCH_OUT")
@@ -92,7 +112,8 @@ def test_write_report(provenance):
         r["x_ar"], r["x_chain"] = r["tokens_per_s"] / ar, r["tokens_per_s"] / chain
     info = dict(provenance)
     with open(os.path.join(out, "engine_trained.json"), "w") as f:
-        json.dump({"provenance": info, "new_tokens": NEW, "prompts": len(prompts()), "results": ROWS}, f, indent=1)
+        json.dump({"provenance": info, "new_tokens": NEW, "prompts": len(prompts()), "results": ROWS,
+                   "batched": BATCH_ROWS}, f, indent=1)
     lines = [f"# Optimized engine on the trained pair ({info.get('gpu', '?')}, commit {info.get('commit', '?')})",
              "", f"8 golden prompts x {NEW} new tokens, greedy, bf16; tokens/s = new tokens / wall time of the "
              "generate calls (prefill included). Stage times: device ms per round, one CUDA graph per stage.", "",
@@ -105,6 +126,10 @@ def test_write_report(provenance):
                      f"{r['x_ar']:.2f} | {r['x_chain']:.2f} | {r['tau']:.2f} | {r['reference_tokens_per_s']:.1f} | "
                      f"{r['speedup_vs_reference']:.0f} | {cell('draft')} | {cell('tree')} | {cell('verify')} | "
                      f"{cell('commit')} | {cell('host')} |")
+    if BATCH_ROWS:
+        lines += ["", "Several requests per round (generate_batch, ddtree budget 32): aggregate tokens/s", "",
+                  "| requests | tokens/s | tau |", "| --- | --- | --- |"]
+        lines += [f"| {r['requests']} | {r['tokens_per_s']:.0f} | {r['tau']:.2f} |" for r in BATCH_ROWS]
     open(os.path.join(out, "engine_trained.md"), "w").write("\n".join(lines) + "\n")
     import matplotlib
     matplotlib.use("Agg")
