@@ -53,3 +53,14 @@ def test_bad_input_is_one_clear_error(args, message):
         base += ["--drafter", f"{TINY}/drafter"]
     r = cli(*base, *args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_prompt_ids_with_a_tokenizer_echo_the_decoded_prompt():
+    trained = os.path.join(ROOT, "fixtures", "trained")
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(os.path.join(trained, "target", "tokenizer.json"))
+    ids = tok.encode("Enter the King").ids
+    r = cli("--target", f"{trained}/target", "--drafter", f"{trained}/drafter", "--prompt-ids", *map(str, ids),
+            "--max-new-tokens", "4", "--no-stop")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("Enter the King"), r.stdout[:40]

@@ -24,7 +24,8 @@ from hypothesis import example, given, strategies as st
 
 import optimized
 import reference
-from optimized.engine import Engine, GraphCaptureError, RoundTiming, node_count
+from optimized.engine import Engine, GraphCaptureError, RoundTiming
+from reference.tree import node_count
 from reference.factory import random_drafter, random_target, tiny_config, tiny_drafter_config
 
 HERE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "trained")

@@ -51,15 +51,15 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from reference.decode import GenerateOutput, _check_args, chain_tree, sample
+from reference.decode import GenerateOutput, _check_args, chain_tree, sample, sampling_probs
 from reference.drafter import Drafter
 from reference.target import Target, absorbed_attention as torch_absorbed_attention, apply_rope, rope_cos_sin
 from reference.tree import CompiledTree, Tree, build_tree as torch_build_tree, compile_tree as torch_compile_tree, \
-    follow_verified_tree as torch_follow
+    follow_verified_tree as torch_follow, node_count
 
 from .mla_attention import MAX_T, pack_visibility, unpack_visibility
 
-__all__ = ["Engine", "AutoBudget", "GraphCaptureError", "RoundTiming", "BACKENDS", "MIN_BUCKET", "node_count"]
+__all__ = ["Engine", "AutoBudget", "GraphCaptureError", "RoundTiming", "BACKENDS", "MIN_BUCKET"]
 
 BACKENDS = ("cuda", "torch")
 MIN_BUCKET = 256
@@ -68,17 +68,6 @@ MAX_BUDGET = MAX_T - 1          # 1024
 
 class GraphCaptureError(RuntimeError):
     pass
-
-
-def node_count(depth: int, k: int, budget: int) -> int:
-    """Nodes of the best-first tree: min(budget, sum_{d=1..depth} k^d) (what build_tree returns)."""
-    total, level = 0, 1
-    for _ in range(depth):
-        level *= k
-        total += level
-        if total >= budget:
-            return budget
-    return total
 
 
 @dataclass
@@ -451,16 +440,8 @@ class Engine:
             return logits.argmax(-1)
         if self.backend == "torch":
             return sample(logits, temperature, top_p, top_k, gen)        # the reference's sampler, same RNG
-        scores = logits.float() / temperature                             # on-device, graph-safe sampling
-        if 0 < top_k < scores.shape[-1]:
-            kth = scores.topk(top_k, -1).values[:, -1:]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        probs = scores.softmax(-1)
-        if top_p < 1.0:
-            sorted_p, order = probs.sort(-1, descending=True)
-            keep = sorted_p.cumsum(-1) - sorted_p < top_p
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
-        u = torch.rand(probs.shape, device=probs.device).clamp_min(1e-30)
+        probs = sampling_probs(logits, temperature, top_p, top_k)        # on-device, graph-safe sampling
+        u = torch.rand(probs.shape, device=probs.device, dtype=probs.dtype).clamp_min(1e-30)
         return (probs.log() - (-u.log()).log()).argmax(-1)              # Gumbel-max: a draw from probs
 
     def _stage_draft(self, r: _Round, key):

@@ -31,7 +31,7 @@ from .kernels.tree_beam import BMAX, beam
 from .kernels.tree_device import SIM, WARP
 from .kernels.tree_topk import PMAX, topk_gather, topk_hist, topk_stats
 from .kernels.tree_verify import commit_kv, compile_rows, follow, gather_rows
-from reference.tree import CompiledTree, Tree, check_build_args
+from reference.tree import CompiledTree, Tree, check_build_args, node_count
 
 MAX_DEPTH = 15
 
@@ -108,17 +108,6 @@ def _check_config(cfg: Config) -> Config:
         if t % WARP or t > WARP * WARP or t & (t - 1):
             raise ValueError(f"block size {t} must be a power of two, a multiple of {WARP}, <= {WARP * WARP}")
     return cfg
-
-
-def node_count(depth: int, k: int, budget: int) -> int:
-    """min(budget, sum_{d=1..L} K^d) without big powers."""
-    total, level = 0, 1
-    for _ in range(depth):
-        level *= k
-        total += level
-        if total >= budget:
-            return budget
-    return total
 
 
 def staircase(k: int, budget: int) -> int:

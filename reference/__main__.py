@@ -112,7 +112,7 @@ def run_generate(args, tier) -> int:
         print(tok.decode(emitted)[len(before):], end="", flush=True)
 
     if tok is not None:
-        print(args.prompt, end="", flush=True)
+        print(args.prompt if args.prompt is not None else tok.decode(prompt), end="", flush=True)
     t0 = time.perf_counter()
     out = tier.generate(target, drafter, prompt, max_new_tokens=args.max_new_tokens, mode=args.mode,
                         budget=args.budget, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

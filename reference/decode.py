@@ -26,7 +26,7 @@ from .drafter import DraftContext, Drafter
 from .target import LatentCache, Target
 from .tree import CompiledTree, Tree, build_tree, compile_tree, follow_verified_tree
 
-__all__ = ["generate", "GenerateOutput", "RoundTrace", "DecodeState", "MODES", "sample",
+__all__ = ["generate", "GenerateOutput", "RoundTrace", "DecodeState", "MODES", "sample", "sampling_probs",
            "prefill", "draft", "chain_tree", "verify", "commit"]
 
 MODES = ("ar", "chain", "ddtree")
@@ -66,12 +66,8 @@ class DecodeState:
 
 # ---- sampling ------------------------------------------------------------------------------------------------
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
-           generator: Optional[torch.Generator]) -> torch.Tensor:
-    """One token per row of logits [n, V]: argmax at temperature 0, else a draw from softmax(logits / T)
-    restricted to the top_k tokens and the top_p nucleus (each row independently)."""
-    if temperature == 0:
-        return logits.argmax(-1)
+def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    """float64 [n, V]: softmax(logits / T) restricted to the top_k tokens and the top_p nucleus, per row."""
     scores = logits.double() / temperature
     if 0 < top_k < scores.shape[-1]:
         kth = scores.topk(top_k, -1).values[:, -1:]
@@ -81,6 +77,15 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
         sorted_p, order = probs.sort(-1, descending=True)
         keep = sorted_p.cumsum(-1) - sorted_p < top_p            # the smallest prefix reaching top_p
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
+    return probs
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
+           generator: Optional[torch.Generator]) -> torch.Tensor:
+    """One token per row of logits [n, V]: argmax at temperature 0, else a draw from sampling_probs."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = sampling_probs(logits, temperature, top_p, top_k)
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
 
 

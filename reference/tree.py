@@ -115,6 +115,17 @@ def check_build_args(draft_logits, budget, values: bool = True) -> None:
             raise ValueError("draft_logits has a row that is -inf everywhere (no token is possible)")
 
 
+def node_count(depth: int, k: int, budget: int) -> int:
+    """Nodes build_tree returns for L = depth, k candidates per depth: min(budget, sum_{d=1..L} k^d)."""
+    total, level = 0, 1
+    for _ in range(depth):
+        level *= k
+        total += level
+        if total >= budget:
+            return budget
+    return total
+
+
 def build_tree(draft_logits: torch.Tensor, budget: int) -> Tree:
     """The `budget` most probable prefixes under the product of per-depth marginals (spec §2.1-2.2).
 
