@@ -196,7 +196,7 @@ class _Buffers:
     active: torch.Tensor                  # int64 [R]: 1 while the request decodes (0: its commits are skipped)
     out_tokens: torch.Tensor              # int64 [R, MAX_T + 1]: the round's emitted tokens (first `length`)
     out_length: torch.Tensor              # int64 [R]
-    host: torch.Tensor                    # int64 [R, MAX_T + 2] pinned: length, then the tokens
+    host: torch.Tensor                    # int64 [R, MAX_T + 2] pinned, used flat: per request its length, then tokens
     host_active: torch.Tensor             # int64 [R] pinned
     arange: torch.Tensor                  # int64 [MAX_T + 1]
     offs: torch.Tensor                    # int64 [R]: r * cap (flat slot of a request's row 0)
@@ -721,11 +721,12 @@ class Engine:
         if self.device.type != "cuda":
             lengths = b.out_length[:n].tolist()
             return lengths, [b.out_tokens[r, :lengths[r]].tolist() for r in range(n)]
-        b.host[:n, 0].copy_(b.out_length[:n], non_blocking=True)
-        b.host[:n, 1:t + 2].copy_(b.out_tokens[:n, :t + 1], non_blocking=True)
+        staged = torch.cat([b.out_length[:n, None], b.out_tokens[:n, :t + 1]], 1)        # [n, t+2], contiguous
+        host = b.host.view(-1)[:staged.numel()].view(n, t + 2)                          # contiguous pinned
+        host.copy_(staged, non_blocking=True)
         torch.cuda.current_stream(self.device).synchronize()
-        lengths = b.host[:n, 0].tolist()
-        return lengths, [b.host[r, 1:lengths[r] + 1].tolist() for r in range(n)]
+        lengths = host[:, 0].tolist()
+        return lengths, [host[r, 1:lengths[r] + 1].tolist() for r in range(n)]
 
     @property
     def auto_budget(self) -> "AutoBudget":
