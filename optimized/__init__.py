@@ -68,7 +68,7 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 128, mode: str =
              backend: Optional[str] = None, eager: bool = False, max_seq_len: Optional[int] = None,
              timing: Optional[RoundTiming] = None) -> EngineOutput:
     """reference.generate's signature and contract, run by the engine (see optimized.engine)."""
-    engine = engine_for(target, drafter if mode != "ar" else drafter, backend=backend, eager=eager,
+    engine = engine_for(target, drafter, backend=backend, eager=eager,
                         max_seq_len=max_seq_len, stage_timing=timing is not None and not eager)
     out = engine.generate(prompt_ids, max_new_tokens=max_new_tokens, mode=mode, budget=budget,
                           temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,

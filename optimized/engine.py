@@ -3,9 +3,9 @@
     engine = Engine(target, drafter)                       # reference modules on the GPU in bf16 (load_target)
     out = engine.generate(prompt_ids, max_new_tokens=128, mode="ddtree", budget=32)
 
-State lives in static device buffers sized at construction: the target's latent cache [layers, cap, C+R], the
-drafter's context keys/values [draft layers, cap, G, E], the committed length `start` and the pending bonus
-token (int64 [1] each). A round is the ARCHITECTURE.md stages with no host synchronisation inside:
+State lives in static device buffers sized at construction for R = max_requests requests: the target's latent
+cache [layers, R, cap, C+R], the drafter's context keys/values [draft layers, R, cap, G, E], the committed
+lengths `start` and the pending bonus tokens (int64 [R] each). A round is the ARCHITECTURE.md stages with no host synchronisation inside:
 
     draft    drafter([bonus, mask x L]) over the context rows < start                -> logits [L, V]
     tree     build_tree + compile_tree (Numba kernels)                               -> ids, depths, parents, mask bits
@@ -20,7 +20,7 @@ Every write of a round lands at slots >= start, past the committed prefix, so a 
 garbage left by an earlier one: that is what makes warm-up and capture harmless. The host then reads the
 output buffer once (one sync) to stream tokens, cut at stop tokens and max_new_tokens.
 
-CUDA graphs: one graph per (mode, budget, draft depth, length bucket); the bucket is the power of two >= 256
+CUDA graphs: one graph per (requests, mode, budget, draft depth, length bucket); the bucket is the power of two >= 256
 covering start + T, so attention work follows the real length while a handful of graphs cover every prefix.
 A failed capture raises GraphCaptureError (never a silent eager fallback); `eager=True` runs without graphs.
 `stage_timing=True` captures each stage as its own graph and times it with CUDA events (RoundTiming).
@@ -127,7 +127,6 @@ class AutoBudget:
 
 class _TorchOps:
     """The round through reference ops (host syncs allowed): any device, any dtype."""
-    name = "torch"
 
     def build_tree(self, logits: torch.Tensor, budget: int) -> Tree:
         return torch_build_tree(logits, budget)
@@ -154,7 +153,6 @@ class _TorchOps:
 
 class _CudaOps:
     """The suite's kernels: Numba tree stages, CuPy MLA attention and INT4 MoE; no host sync anywhere."""
-    name = "cuda"
 
     def __init__(self):
         try:
@@ -264,7 +262,6 @@ class Engine:
             self.ops = _TorchOps()
         self.backend, self.eager, self.stage_timing = backend, eager, stage_timing
         self.group = group
-        self.world = 1 if group is None else torch.distributed.get_world_size(group)
         self.layer_ids = tuple(drafter.target_layer_ids) if drafter is not None else ()
         self.max_seq_len = int(max_seq_len or min(cfg.max_position_embeddings, 8192))
         if not 1 <= self.max_seq_len <= cfg.max_position_embeddings:
