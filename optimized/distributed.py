@@ -59,8 +59,7 @@ import torch
 import torch.distributed as dist
 
 from reference.checkpoint import (CheckpointError, _EXPERT, _IGNORED, _check, _meta_model, _module, _open,
-                                  _shard_map, expected_tensors)
-from reference.config import ConfigError, load_config
+                                  _shard_map, checkpoint_config, expected_tensors)
 from reference.target import Target, rope_inv_freq
 
 from .engine import Engine
@@ -108,12 +107,7 @@ def load_target_shard(path: str, rank: int, world: int, dtype: torch.dtype = tor
     experts (generate_distributed), not through Target.forward. Names are checked against config.json as a
     whole (a checkpoint reference.load_target rejects is rejected here too); each tensor read is checked as the
     reference checks it. target.expert_shard (ExpertShard) records what was read."""
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: not a directory (a target checkpoint is an HF-format directory)")
-    try:
-        cfg = load_config(path)
-    except ConfigError as e:
-        raise CheckpointError(str(e)) from None
+    cfg = checkpoint_config(path)
     held = expert_shard(cfg.n_routed_experts, rank, world)
     prefix, expected = cfg.tensor_prefix, expected_tensors(cfg)
     where = {name[len(prefix):] if name.startswith(prefix) else name: (name, file)

@@ -95,15 +95,20 @@ def _check(file: str, name: str, t: torch.Tensor, shape: tuple, kind: str) -> No
         raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
 
 
-def load_target(path: str, dtype: torch.dtype = torch.float32, device="cpu") -> Target:
-    """Load an HF-format K2 / DeepSeek-V3 directory. Float weights are cast to `dtype`; routed INT4 experts
-    stay packed (int32 words + their stored scales) and are dequantized when used."""
+def checkpoint_config(path: str):
+    """The TargetConfig of a checkpoint directory; CheckpointError when it is not one or its config is bad."""
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a directory (a target checkpoint is an HF-format directory)")
     try:
-        cfg = load_config(path)
+        return load_config(path)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
+
+
+def load_target(path: str, dtype: torch.dtype = torch.float32, device="cpu") -> Target:
+    """Load an HF-format K2 / DeepSeek-V3 directory. Float weights are cast to `dtype`; routed INT4 experts
+    stay packed (int32 words + their stored scales) and are dequantized when used."""
+    cfg = checkpoint_config(path)
     where = _shard_map(path)
     prefix = cfg.tensor_prefix
     quantized = cfg.quantization_config is not None
