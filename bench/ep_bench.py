@@ -42,23 +42,19 @@ BUDGETS = (4, 8, 16, 32, 64)
 
 
 def time_allreduce(rows: int, hidden: int, device, reps: int = 50) -> float:
-    """Seconds for one all-reduce of fp32 [rows, hidden] (median of reps, after warm-up)."""
+    """Seconds for one all-reduce of fp32 [rows, hidden]: median of reps after warm-up (CUDA events on a GPU,
+    bench/conftest.cuda_time; wall time on CPU)."""
     x = torch.randn(rows, hidden, device=device)
+    if device.type == "cuda":
+        from conftest import cuda_time
+        return cuda_time(lambda: dist.all_reduce(x), warmup=5, reps=reps)
     for _ in range(5):
         dist.all_reduce(x)
     times = []
     for _ in range(reps):
-        if device.type == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            dist.all_reduce(x)
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            dist.all_reduce(x)
-            times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 
 
