@@ -174,19 +174,9 @@ def bf16_reference(gpu_pairs):
         tokens = reference.generate(bf, None, case["prompt_ids"], max_new_tokens=g["max_new_tokens"],
                                     mode="ar").tokens
         out.append((tokens, margins_of(bf, case["prompt_ids"], tokens)))
+    same = sum(t == c["tokens"] for (t, _), c in zip(out, g["cases"]))     # the scale of bf16 itself (report)
+    print(f"bf16 reference vs float32 golden: {same}/{len(out)} cases identical")
     return out
-
-
-@pytest.mark.gpu
-def test_bf16_reference_against_float32_golden(bf16_reference):
-    """Informational scale of bf16 itself: how often the bf16 reference leaves the float32 golden tokens."""
-    g = golden()
-    diverged = [next((i for i, (a, b) in enumerate(zip(t, c["tokens"])) if a != b), None)
-                for (t, _), c in zip(bf16_reference, g["cases"])]
-    n = sum(d is not None for d in diverged)
-    print(f"bf16 reference vs float32 golden: {len(diverged) - n}/{len(diverged)} cases identical; first "
-          f"divergences at {[d for d in diverged if d is not None]}")
-    assert len(bf16_reference) == len(g["cases"])
 
 
 @pytest.mark.gpu
@@ -296,7 +286,8 @@ def test_auto_budget_keeps_the_tokens_and_tries_every_candidate(pair):
 def test_batched_rounds_equal_single_requests(pair, seed, mode, budget, n):
     """generate_batch: n requests with different prompts (lengths 3..9) decode in shared rounds; each request's
     tokens equal its own reference run. Acceptance lengths may differ only where the batch's tail block is
-    deeper than the reference's (the block follows the request with the most tokens left)."""
+    deeper than the reference's (the block follows the request with the most tokens left): every round in which
+    the reference drafts a full block must agree."""
     target, drafter = pair
     eng = Engine(target, drafter, backend="torch", max_seq_len=64, max_requests=4)
     prompts = [prompt_for(seed + r, n=3 + 2 * r) for r in range(n)]
@@ -307,8 +298,12 @@ def test_batched_rounds_equal_single_requests(pair, seed, mode, budget, n):
                                  stop_token_ids=stops)
         assert out.tokens == ref.tokens, f"request {r}: tokens differ"
         assert sum(out.acceptance_lengths) == len(out.tokens) - 1
-        k = len(ref.acceptance_lengths) - 1                   # all rounds but the reference's last agree ...
-        assert out.acceptance_lengths[:max(k - 1, 0)] == ref.acceptance_lengths[:max(k - 1, 0)] or n > 1
+        emitted = 1                       # rounds in which the reference still drafts a full block agree
+        for k, a in enumerate(ref.acceptance_lengths):
+            if 20 - emitted < drafter.block_size - 1:
+                break
+            assert out.acceptance_lengths[k] == a, f"request {r}: round {k} (full block) accepted differently"
+            emitted += a
 
 
 def test_batch_errors(pair):
