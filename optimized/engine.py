@@ -150,6 +150,12 @@ class _TorchOps:
         vis[:, p:p + t] = unpack_visibility(bits, t)
         out.copy_(torch_absorbed_attention(q_lat, q_pe, latent, vis, scale))
 
+    def norm(self, module, x):
+        return module(x)
+
+    def rope(self, x, cos, sin, interleave):
+        return apply_rope(x, cos, sin, interleave)
+
 
 class _CudaOps:
     """The suite's kernels: Numba tree stages, CuPy MLA attention and INT4 MoE; no host sync anywhere."""
@@ -164,7 +170,8 @@ class _CudaOps:
         if tree_numba.backend() != "cuda":
             raise RuntimeError("the cuda backend cannot run under NUMBA_ENABLE_CUDASIM=1; unset it, or pass "
                                "backend='torch'")
-        self._tree, self._attn = tree_numba, tree_attention
+        from .norm_rope import rms_norm, rope
+        self._tree, self._attn, self._norm, self.rope = tree_numba, tree_attention, rms_norm, rope
 
     def build_tree(self, logits: torch.Tensor, budget: int) -> Tree:
         return self._tree.build_tree(logits.float(), budget)
@@ -179,6 +186,9 @@ class _CudaOps:
 
     def attention(self, q_lat, q_pe, latent, bits, start, seq_len, scale, out):
         self._attn(q_lat, q_pe, latent, bits, scale, out=out, seq_len=seq_len)
+
+    def norm(self, module, x):
+        return self._norm(x, module.weight, module.eps)
 
 
 # ---- the engine ----------------------------------------------------------------------------------------------
@@ -337,7 +347,7 @@ class Engine:
         feats = {}
         for i, layer in enumerate(self.target.model.layers):
             at = layer.self_attn
-            q_nope, q_pe, rows = at.project(layer.input_layernorm(h), cos, sin)
+            q_nope, q_pe, rows = self._project(at, self.ops.norm(layer.input_layernorm, h), cos, sin)
             flat = b.latent[i].view(-1, b.latent.shape[-1])                                  # [R*cap, C+R]
             flat.index_copy_(0, slots, rows)
             q_lat = torch.einsum("thn,hnc->thc", q_nope, self._w_uk[i]).contiguous()
@@ -349,11 +359,27 @@ class Engine:
                                    start[j:j + 1], seq_len[j:j + 1], cfg.softmax_scale, o_lat[rows_j])
             o = torch.einsum("thc,hac->tha", o_lat, self._w_uv[i])
             h = h + at.o_proj(o.reshape(n * t, -1))
-            h = h + self._mlp(i, layer, layer.post_attention_layernorm(h))
+            h = h + self._mlp(i, layer, self.ops.norm(layer.post_attention_layernorm, h))
             if want_feats and i in self.layer_ids:
                 feats[i] = h
-        logits = self.target.head(h).view(n, t, -1)
+        logits = self.target.lm_head(self.ops.norm(self.target.model.norm, h)).view(n, t, -1)
         return logits, (torch.cat([feats[i] for i in self.layer_ids], -1).view(n, t, -1) if want_feats else None)
+
+    def _project(self, at, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """reference.target.Attention.project through the backend's norm and RoPE."""
+        cfg, norm, rope = self.cfg, self.ops.norm, self.ops.rope
+        q = at.q_proj(x) if cfg.q_lora_rank is None else at.q_b_proj(norm(at.q_a_layernorm, at.q_a_proj(x)))
+        q = q.view(x.shape[0], cfg.num_attention_heads, cfg.qk_head_dim)
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
+        ckv, k_pe = at.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
+        q_pe = rope(q_pe, cos, sin, cfg.rope_interleave)
+        k_pe = rope(k_pe, cos, sin, cfg.rope_interleave)
+        return q_nope, q_pe, torch.cat([norm(at.kv_a_layernorm, ckv), k_pe], -1)
+
+    def _keys_values(self, at, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """reference.drafter.DraftAttention.keys_values through the backend's norm and RoPE."""
+        k = self.ops.norm(at.k_norm, at.k_proj(x).view(x.shape[0], at.kv_heads, at.head_dim))
+        return self.ops.rope(k, cos, sin, False), at.v_proj(x).view(x.shape[0], at.kv_heads, -1)
 
     def _mlp(self, i: int, layer, x: torch.Tensor) -> torch.Tensor:
         if not self.cfg.is_moe_layer(i):
@@ -391,12 +417,12 @@ class Engine:
         past a request's accepted count are garbage beyond its committed context, overwritten later)."""
         d, b = self.drafter, self.buf
         n, m = feats.shape[:2]
-        c = d.hidden_norm(d.fc(feats.reshape(n * m, -1).to(d.fc.weight.dtype)))
+        c = self.ops.norm(d.hidden_norm, d.fc(feats.reshape(n * m, -1).to(d.fc.weight.dtype)))
         pos = (b.start[r0:r0 + n, None] + b.arange[:m]).reshape(-1)
         slots = pos + b.offs[r0:r0 + n].repeat_interleave(m)
         cos, sin = d._cos_sin(pos)
         for i, layer in enumerate(d.layers):
-            k, v = layer.self_attn.keys_values(c, cos, sin)
+            k, v = self._keys_values(layer.self_attn, c, cos, sin)
             b.ctx_k[i].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
             b.ctx_v[i].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
 
@@ -414,10 +440,10 @@ class Engine:
                              torch.ones(n, blk, blk, dtype=torch.bool, device=self.device)], 2)  # [n, B, bucket+B]
         for i, layer in enumerate(d.layers):
             at = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = at.q_norm(at.q_proj(x).view(n * blk, at.heads, at.head_dim))
-            q = apply_rope(q, cos, sin, interleave=False).view(n, blk, at.heads, at.head_dim)
-            k_blk, v_blk = at.keys_values(x, cos, sin)
+            x = self.ops.norm(layer.input_layernorm, h)
+            q = self.ops.norm(at.q_norm, at.q_proj(x).view(n * blk, at.heads, at.head_dim))
+            q = self.ops.rope(q, cos, sin, False).view(n, blk, at.heads, at.head_dim)
+            k_blk, v_blk = self._keys_values(at, x, cos, sin)
             rep = at.heads // at.kv_heads       # einsum + repeat_interleave measured faster than SDPA with a
             k = torch.cat([b.ctx_k[i, :n, :bucket], k_blk.view(n, blk, at.kv_heads, -1)], 1)   # bool mask + GQA
             v = torch.cat([b.ctx_v[i, :n, :bucket], v_blk.view(n, blk, at.kv_heads, -1)], 1)   # (H200, K2.6:
@@ -426,8 +452,8 @@ class Engine:
             scores = (scores * at.head_dim ** -0.5).masked_fill(~visible[:, None], float("-inf"))
             p = torch.softmax(scores, dim=-1).to(q.dtype)
             h = h + at.o_proj(torch.einsum("nhbs,nshe->nbhe", p, v).reshape(n * blk, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return d.logits(d.norm(h).view(n, blk, -1)[:, 1:])
+            h = h + layer.mlp(self.ops.norm(layer.post_attention_layernorm, h))
+        return d.logits(self.ops.norm(d.norm, h).view(n, blk, -1)[:, 1:])
 
     # ---- one round, as stages (all requests of the batch together) ----------------------------------------
 

@@ -45,6 +45,8 @@ import torch.nn.functional as F
 
 from reference.int4 import pack_int4
 
+from .cuda_launch import launch, ptr as _p
+
 __all__ = ["MoEWeights", "Grouping", "compile_target", "repack", "unrepack", "pack_experts", "load_moe_weights", "route", "router",
            "group_tokens", "pick_variant", "gate_up", "down", "combine", "moe_routed", "shared_expert", "moe_forward"]
 
@@ -256,22 +258,8 @@ def compile_target(device_index: int = 0) -> str:
         return "unknown"
 
 
-_STREAMS: dict = {}
-
-
 def _launch(name: str, device: torch.device, grid, block, args, shared_mem: int = 0):
-    import cupy
-    fns = _kernels(device.index)[0]
-    ptr = torch.cuda.current_stream(device).cuda_stream
-    stream = _STREAMS.get(ptr)
-    if stream is None:
-        stream = _STREAMS.setdefault(ptr, cupy.cuda.ExternalStream(ptr, device.index))
-    with cupy.cuda.Device(device.index), stream:
-        fns[name](grid, block, args, shared_mem=shared_mem)
-
-
-def _p(t: Optional[torch.Tensor]):
-    return np.uint64(0 if t is None else t.data_ptr())
+    launch(_kernels(device.index)[0][name], device, grid, block, args, shared_mem)
 
 
 def _need_cuda(what: str, *tensors):

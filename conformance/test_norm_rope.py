@@ -1,0 +1,107 @@
+"""optimized.norm_rope (one-launch RMSNorm and RoPE, CuPy kernels) == reference.target.RMSNorm / apply_rope.
+
+Replaces: reference.target.RMSNorm.forward and reference.target.apply_rope on bf16 CUDA tensors inside the
+engine (target: input/post/q_a/kv_a/final norms, q_pe/k_pe rotation; drafter: every norm and rotation).
+Backend: the CuPy kernels, the only path (CPU tensors and other dtypes raise).
+Tolerances: RoPE is compared bit for bit with the reference in bf16 (the kernel repeats its rounding steps).
+RMSNorm follows the kernel policy of TOLERANCES.md: error against a float64 evaluation at most 2x (+1e-6)
+PyTorch bf16's, and at most one bf16 step (2^-7 relative) from the bf16 reference anywhere.
+CPU tests: the clear errors. GPU tests: marked `gpu`.
+"""
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from reference.target import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+
+import optimized.norm_rope as nr
+
+gpu = pytest.mark.gpu
+
+
+def norm_module(d: int, seed: int) -> RMSNorm:
+    g = torch.Generator().manual_seed(seed)
+    m = RMSNorm(d, 1e-6)
+    with torch.no_grad():
+        m.weight.copy_(1 + 0.3 * torch.randn(d, generator=g))
+    return m
+
+
+def wide_rows(rows: int, d: int, extra: int, seed: int, scale: float) -> torch.Tensor:
+    """[rows, d] bf16 as a column slice of a [rows, extra + d + 3] tensor (a view with row stride > d) when
+    extra > 0 (like ckv split from the kv_a projection), else contiguous."""
+    g = torch.Generator().manual_seed(seed)
+    full = (scale * torch.randn(rows, extra + d + (3 if extra else 0), generator=g)).to(torch.bfloat16)
+    return full[:, extra:extra + d]
+
+
+# ---- CPU: clear errors -----------------------------------------------------------------------------------
+
+def test_cpu_tensors_raise():
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        nr.rms_norm(x, torch.ones(64, dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        nr.rope(x, torch.zeros(4, 32), torch.zeros(4, 32))
+
+
+# ---- GPU -------------------------------------------------------------------------------------------------
+
+@gpu
+@given(rows=st.integers(1, 70), d=st.sampled_from([16, 64, 128, 256, 512, 1536, 7168]),
+       view=st.booleans(), heads=st.sampled_from([1, 4]), scale=st.sampled_from([1e-2, 1.0, 30.0]),
+       seed=st.integers(0, 2**16))
+def test_rms_norm_policy(rows, d, view, heads, scale, seed):
+    m = norm_module(d, seed)
+    x = wide_rows(rows * heads, d, 5 if view else 0, seed + 1, scale).cuda()
+    if heads > 1 and not view:
+        x = x.view(rows, heads, d)                                    # per-head norm (drafter q/k norms)
+    out = nr.rms_norm(x, m.weight.to(torch.bfloat16).cuda(), m.eps)
+    assert out.shape == x.shape and out.is_contiguous() and out.dtype == torch.bfloat16
+    ref64 = m.double()(x.double().cpu())
+    ref16 = m.to(torch.bfloat16).cuda()(x).cpu().double()
+    got = out.cpu().double()
+    scale_ref = ref64.abs().max().clamp(min=1e-30)
+    err_k = ((got - ref64).abs().max() / scale_ref).item()
+    err_t = ((ref16 - ref64).abs().max() / scale_ref).item()
+    assert err_k <= 2 * err_t + 1e-6, f"rms_norm rows={rows} d={d}: error {err_k:.3e} vs PyTorch bf16 {err_t:.3e}"
+    step = (ref16.abs() * 2.0 ** -7).clamp(min=1e-30)
+    assert ((got - ref16).abs() <= step).all(), "rms_norm: more than one bf16 step from the bf16 reference"
+    assert nr._kernels.cache_info().currsize >= 1                      # the CuPy kernel ran
+
+
+@gpu
+@given(t=st.integers(1, 40), heads=st.sampled_from([0, 1, 4, 64]), rot=st.sampled_from([16, 64, 128]),
+       interleave=st.booleans(), split=st.booleans(), seed=st.integers(0, 2**16),
+       start=st.integers(0, 5000))
+def test_rope_bit_exact(t, heads, rot, interleave, split, seed, start):
+    g = torch.Generator().manual_seed(seed)
+    nope = 24 if split else 0
+    shape = (t, heads, nope + rot) if heads else (t, nope + rot)
+    x = (3 * torch.randn(shape, generator=g)).to(torch.bfloat16).cuda()[..., nope:]   # q_pe / k_pe views
+    inv = rope_inv_freq(rot, 50000.0)
+    cos, sin = rope_cos_sin(inv.cuda(), torch.arange(start, start + t, device="cuda"), 1.2)
+    out = nr.rope(x, cos, sin, interleave)
+    ref = apply_rope(x, cos, sin, interleave)
+    assert out.is_contiguous() and out.shape == ref.shape
+    assert torch.equal(out, ref), f"rope t={t} heads={heads} rot={rot} interleave={interleave}: " \
+        f"{(out != ref).sum().item()} values differ"
+    assert nr._kernels.cache_info().currsize >= 1
+
+
+@gpu
+def test_gpu_bad_inputs_raise():
+    x = torch.zeros(4, 64, dtype=torch.bfloat16, device="cuda")
+    w = torch.ones(64, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="bfloat16"):
+        nr.rms_norm(x.float(), w, 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        nr.rms_norm(x, w.float(), 1e-6)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        nr.rms_norm(torch.zeros(64, 4, dtype=torch.bfloat16, device="cuda").t(), w, 1e-6)
+    with pytest.raises(ValueError, match="uniform stride"):
+        nr.rms_norm(torch.zeros(4, 6, 64, dtype=torch.bfloat16, device="cuda").transpose(0, 1), w, 1e-6)
+    with pytest.raises(ValueError, match="cos"):
+        nr.rope(x, torch.zeros(4, 16, device="cuda"), torch.zeros(4, 32, device="cuda"))
+    with pytest.raises(ValueError, match="even"):
+        nr.rope(x[:, :63], torch.zeros(4, 31, device="cuda"), torch.zeros(4, 31, device="cuda"))

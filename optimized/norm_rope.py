@@ -1,0 +1,99 @@
+"""RMSNorm and RoPE as one CuPy RawKernel launch each (optimized/kernels/norm_rope.cu), bf16 on CUDA.
+
+The reference forms them from small PyTorch kernels (RMSNorm: 8, RoPE: about 10); in the engine's tiny,
+launch-bound forwards those launches were over half of the drafter's and a third of the target's. The kernels
+keep the reference's rounding steps (see the .cu header): RoPE is bit-exact; RMSNorm sums x^2 in a different
+fp32 order, so it can differ from `reference.target.RMSNorm` by one bf16 step where the fp32 result sits on a
+rounding boundary (tested against the tolerance policy).
+
+    rms_norm(x [..., D], weight [D], eps)             -> new contiguous [..., D]
+    rope(x [T, ..., R], cos [T, R/2], sin [T, R/2], interleave) -> new contiguous [T, ..., R]
+
+Inputs may be views (a split of a projection's output) as long as the last dim is contiguous and the leading
+dims are laid out with one uniform row stride; other layouts raise (call .contiguous() first).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .cuda_launch import launch, ptr
+
+_SOURCE = Path(__file__).parent / "kernels" / "norm_rope.cu"
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(device_index: int) -> dict:
+    try:
+        import cupy
+    except ImportError as e:
+        raise RuntimeError("optimized.norm_rope needs CuPy (pip install cupy-cuda13x) and a CUDA GPU") from e
+    with cupy.cuda.Device(device_index):       # CuPy adds -arch for the current device itself (NVRTC -> cubin)
+        module = cupy.RawModule(code=_SOURCE.read_text(), options=("-std=c++17",))
+        return {n: module.get_function(n) for n in ("rms_norm_bf16", "rope_bf16")}
+
+
+def _check(what: str, x: torch.Tensor):
+    if not isinstance(x, torch.Tensor) or not x.is_cuda:
+        raise ValueError(f"{what}: needs a CUDA tensor (CPU: use the reference module), got "
+                         f"{x.device if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"{what}: needs bfloat16, got {x.dtype} (the reference module serves other dtypes)")
+    if x.dim() < 2 or x.stride(-1) != 1:
+        raise ValueError(f"{what}: needs >= 2 dims with a contiguous last dim, got shape {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+
+
+def _rows(what: str, x: torch.Tensor, shape) -> torch.Tensor:
+    """x viewed as `shape` without a copy (its rows one uniform stride apart), or raise."""
+    try:
+        return x.view(shape)
+    except RuntimeError:
+        raise ValueError(f"{what}: shape {tuple(x.shape)} strides {x.stride()} cannot be viewed as rows of one "
+                         "uniform stride; pass x.contiguous()") from None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """reference.target.RMSNorm(x) with that module's weight and eps, in one launch."""
+    _check("rms_norm", x)
+    d = x.shape[-1]
+    if weight.dtype != torch.bfloat16 or tuple(weight.shape) != (d,) or not weight.is_contiguous() \
+            or weight.device != x.device:
+        raise ValueError(f"rms_norm: weight must be contiguous bfloat16 [{d}] on {x.device}, got {weight.dtype} "
+                         f"{tuple(weight.shape)} on {weight.device}")
+    rows = math.prod(x.shape[:-1])
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    stride = _rows("rms_norm", x, (rows, d)).stride(0)
+    threads = 32 if d <= 1024 else 256
+    launch(_kernels(x.device.index)["rms_norm_bf16"], x.device, (rows,), (threads,),
+           (ptr(x), np.int64(stride), ptr(weight), np.float32(eps), np.int32(d), ptr(out)))
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = True) -> torch.Tensor:
+    """reference.target.apply_rope(x, cos, sin, interleave) in one launch (bit-exact)."""
+    _check("rope", x)
+    t, r = x.shape[0], x.shape[-1]
+    if r % 2:
+        raise ValueError(f"rope: the rotary dim must be even, got {r}")
+    for name, a in (("cos", cos), ("sin", sin)):
+        if a.dtype != torch.float32 or tuple(a.shape) != (t, r // 2) or not a.is_contiguous() \
+                or a.device != x.device:
+            raise ValueError(f"rope: {name} must be contiguous float32 [{t}, {r // 2}] on {x.device}, got "
+                             f"{a.dtype} {tuple(a.shape)} on {a.device}")
+    per_t = math.prod(x.shape[1:-1])
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    pairs = t * per_t * (r // 2)
+    if pairs == 0:
+        return out
+    x3 = _rows("rope", x, (t, per_t, r))
+    launch(_kernels(x.device.index)["rope_bf16"], x.device, (-(-pairs // 256),), (256,),
+           (ptr(x), np.int64(x3.stride(0)), np.int64(x3.stride(1)), np.int32(per_t), np.int32(r),
+            np.int32(int(interleave)), ptr(cos), ptr(sin), np.int64(pairs), ptr(out)))
+    return out
