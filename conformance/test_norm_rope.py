@@ -5,7 +5,8 @@ engine (target: input/post/q_a/kv_a/final norms, q_pe/k_pe rotation; drafter: ev
 Backend: the CuPy kernels, the only path (CPU tensors and other dtypes raise).
 Tolerances: RoPE is compared bit for bit with the reference in bf16 (the kernel repeats its rounding steps).
 RMSNorm follows the kernel policy of TOLERANCES.md: error against a float64 evaluation at most 2x (+1e-6)
-PyTorch bf16's, and at most one bf16 step (2^-7 relative) from the bf16 reference anywhere.
+PyTorch bf16's, and at most two bf16 steps (2^-6 relative) from the bf16 reference anywhere: the normalized
+value may round one step differently (fp32 sum order), and the weight multiply rounds once more.
 CPU tests: the clear errors. GPU tests: marked `gpu`.
 """
 import pytest
@@ -65,8 +66,8 @@ def test_rms_norm_policy(rows, d, view, heads, scale, seed):
     err_k = ((got - ref64).abs().max() / scale_ref).item()
     err_t = ((ref16 - ref64).abs().max() / scale_ref).item()
     assert err_k <= 2 * err_t + 1e-6, f"rms_norm rows={rows} d={d}: error {err_k:.3e} vs PyTorch bf16 {err_t:.3e}"
-    step = (ref16.abs() * 2.0 ** -7).clamp(min=1e-30)
-    assert ((got - ref16).abs() <= step).all(), "rms_norm: more than one bf16 step from the bf16 reference"
+    step = (ref16.abs() * 2.0 ** -6).clamp(min=1e-30)      # normalized value one step off, then x weight rounds
+    assert ((got - ref16).abs() <= step).all(), "rms_norm: more than two bf16 steps from the bf16 reference"
     assert nr._kernels.cache_info().currsize >= 1                      # the CuPy kernel ran
 
 

@@ -707,9 +707,12 @@ class Engine:
                 on_tokens(r, [first])
         done = [len(e) >= max_new_tokens or e[-1] in stops for e in emitted]
         wall0 = time.perf_counter()
+        uploaded = None
         while not all(done):
-            b.host_active[:n].copy_(torch.tensor([0 if d else 1 for d in done]))
-            b.active[:n].copy_(b.host_active[:n], non_blocking=True)
+            if done != uploaded:                      # the active mask changes only when a request finishes
+                b.host_active[:n].copy_(torch.tensor([0 if d else 1 for d in done]))
+                b.active[:n].copy_(b.host_active[:n], non_blocking=True)
+                uploaded = list(done)
             remaining = max(max_new_tokens - len(e) for e, d in zip(emitted, done) if not d)
             chosen = self.auto_budget.choose() if auto else budget
             key, t = self.round_key(mode, chosen, remaining, max(starts), n)
