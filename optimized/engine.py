@@ -25,6 +25,10 @@ covering start + T, so attention work follows the real length while a handful of
 A failed capture raises GraphCaptureError (never a silent eager fallback); `eager=True` runs without graphs.
 `stage_timing=True` captures each stage as its own graph and times it with CUDA events (RoundTiming).
 
+Every RMSNorm and RoPE of both models goes through `ops.norm` / `ops.rope`: one CuPy launch each on the cuda
+backend (optimized/norm_rope.py; the reference forms them from ~8-10 small kernels), the reference modules on
+the torch backend. Dense projections and the drafter's attention stay in torch (cuBLAS).
+
 Backends (`engine.backend`, asserted by the tests): "cuda" (the suite's kernels, bf16, graphs) and "torch"
 (the same round through reference ops: any device and dtype, eager only; it is how the round logic and expert
 parallelism are tested on CPU in CI, and the debugging twin of the cuda backend). Neither falls back to the
