@@ -52,6 +52,9 @@ def worker(spec_path: str) -> int:
             target = distributed.load_target_shard(spec["target"], d.rank, d.world, DTYPES[spec["dtype"]], d.device)
             drafter = optimized.load_drafter(spec["drafter"], target=target)
             fail = spec.get("fail") or {}
+            engine = distributed.engine_for_rank(target, drafter, backend=spec["backend"], max_seq_len=64)
+            if spec.get("skew_auto"):
+                skew_auto_budget(engine.auto_budget, d.rank)
             results = []
             for prompt, mode, budget in spec["runs"]:
                 def on_tokens(new, first=[True]):
@@ -60,10 +63,12 @@ def worker(spec_path: str) -> int:
                             raise RuntimeError(f"injected failure on rank {d.rank}")
                         time.sleep(3600)
                     first[0] = False
+                h0 = len(engine.auto_budget.history)
                 out = distributed.generate_distributed(target, drafter, prompt, max_new_tokens=spec["new"],
                                                        mode=mode, budget=budget, backend=spec["backend"],
                                                        max_seq_len=64, on_tokens=on_tokens)
-                results.append({"tokens": out.tokens, "acceptance": out.acceptance_lengths, "backend": out.backend})
+                results.append({"tokens": out.tokens, "acceptance": out.acceptance_lengths, "backend": out.backend,
+                                "auto_history": engine.auto_budget.history[h0:]})
         shard = target.expert_shard
         with open(f"{spec['out']}.{d.rank}.json", "w") as f:
             json.dump({"results": results, "experts": list(shard.experts), "tensors_read": sorted(shard.tensors_read),
@@ -74,6 +79,14 @@ def worker(spec_path: str) -> int:
         return 1
     finally:
         distributed.shutdown()
+
+
+def skew_auto_budget(auto, rank: int) -> None:
+    """Past warm-up, with measurements that make each rank prefer a different budget (rank r: the r-th
+    candidate): left to their own timings the ranks would build different trees."""
+    for b in auto.candidates:
+        auto.count[b], auto.tokens[b], auto.seconds[b] = auto.warmup, 1.0, 1.0
+    auto.seconds[auto.candidates[rank % len(auto.candidates)]] = 1e-3
 
 
 # ---- launching a job --------------------------------------------------------------------------------------------
@@ -289,13 +302,31 @@ def test_cli_under_torchrun_prints_the_single_process_tokens(pair_dirs):
     assert two.stderr.count("mean tau") == 1 and "expert parallel over 2 ranks (gloo" in two.stderr, two.stderr
 
 
-def test_cli_refuses_budget_auto_under_torchrun(pair_dirs):
+def test_budget_auto_follows_rank_0(pair_dirs, reference_outputs, tmp_path):
+    """budget="auto" under expert parallelism: each rank's cost model is skewed to prefer a different budget, yet
+    every rank runs rank 0's choice each round (same budget history, same acceptance lengths: the job's own
+    agreement check passes) and the greedy tokens are the reference's."""
+    spec = cpu_spec(pair_dirs, skew_auto=True)
+    spec["runs"] = [(p, "ddtree", "auto") for p in PROMPTS]
+    codes, stderr, _, outs = launch(tmp_path, 2, spec)
+    assert codes == [0, 0], f"exit codes {codes}\n" + "\n".join(s[-3000:] for s in stderr)
+    ar = [o for o, (m, _) in zip(reference_outputs, RUNS * len(PROMPTS)) if m == "ar"]
+    for i, (r0, r1) in enumerate(zip(outs[0]["results"], outs[1]["results"])):
+        assert r0["auto_history"] == r1["auto_history"] and len(r0["auto_history"]) == len(r0["acceptance"])
+        assert r0["acceptance"] == r1["acceptance"] and r0["tokens"] == r1["tokens"] == ar[i].tokens
+    first = outs[0]["results"][0]["auto_history"]
+    assert first[0] == 4, f"rank 0 prefers budget 4 (its skew), the job ran {first}"
+
+
+def test_cli_budget_auto_under_torchrun_prints_the_greedy_tokens(pair_dirs, reference_outputs):
     tdir, ddir = pair_dirs
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "optimized",
-           "generate", "--target", tdir, "--drafter", ddir, "--prompt-ids", "3", "--budget-auto",
-           "--backend", "torch", "--device", "cpu", "--dtype", "float64"]
+           "generate", "--target", tdir, "--drafter", ddir, "--prompt-ids", *map(str, PROMPTS[0]), "--budget-auto",
+           "--max-new-tokens", str(NEW), "--no-stop", "--backend", "torch", "--device", "cpu", "--dtype", "float64",
+           "--dist-timeout", "60"]
     r = subprocess.run(run, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "budget='auto'" in r.stderr, r.stderr[-3000:]
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [int(x) for x in r.stdout.split()] == reference_outputs[0].tokens      # RUNS[0] is ar on PROMPTS[0]
 
 
 # ---- GPU: NCCL, the cuda backend -----------------------------------------------------------------------------

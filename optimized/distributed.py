@@ -30,7 +30,7 @@ all-reduces hand every rank the one reduced value, bit for bit), so logits, the 
 commit are computed from identical inputs by identical code: the ranks take identical decisions with no further
 communication. Two things could break this and are closed off: sampling draws from a generator seeded
 identically on every rank (generate_distributed broadcasts rank 0's seed when none is given), and
-budget="auto" (a choice from each rank's own timings) is refused. At the end every rank all-gathers a hash of
+budget="auto" follows rank 0's choice, broadcast every round (the engine's `_agreed`: one 8-byte collective). At the end every rank all-gathers a hash of
 its tokens and acceptance lengths and raises DistributedError if any rank differs (one 8-byte collective).
 
 Failures end the job, never hang it. `init` sets a timeout on every collective (gloo honours it per operation;
@@ -296,16 +296,13 @@ def engine_for_rank(target: Target, drafter=None, *, group=None, experts=None, b
 
 
 def generate_distributed(target: Target, drafter, prompt_ids, max_new_tokens: int = 128, mode: str = "ddtree",
-                         budget: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                         budget=None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                          seed: Optional[int] = None, stop_token_ids=None, on_tokens=None, *, group=None,
                          experts=None, backend: str = "cuda", eager: bool = False,
                          max_seq_len: Optional[int] = None, timing=None):
     """optimized.generate's contract on every rank of `group` (default: the whole job); every rank returns the
     same EngineOutput, checked at the end (DistributedError when a rank differs)."""
     from . import EngineOutput
-    if budget == "auto":
-        raise ValueError("budget='auto' chooses from each rank's own timings, so ranks could build different "
-                         "trees; give a fixed budget under expert parallelism")
     if temperature > 0 and seed is None:               # every rank must draw the same samples
         s = torch.tensor([random.getrandbits(62)], dtype=torch.long, device=target.device)
         dist.broadcast(s, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)

@@ -37,6 +37,7 @@ other: asking for "cuda" without a GPU, CuPy or Numba raises with what to instal
 Expert parallelism: pass `group` (a torch.distributed process group) and `experts` (this rank's routed expert
 ids). Each MoE layer computes its partial sum over the held experts and ends in one all-reduce; the tree,
 acceptance and commit are computed identically on every rank from identical logits, so ranks never disagree.
+With budget="auto" the group's rank 0 chooses each round's budget from its own timings and broadcasts it.
 
 Several requests: Engine(..., max_requests=R) sizes every buffer for R requests, and generate_batch(prompts)
 decodes them in shared rounds: one drafter forward over all blocks, R tree builds, ONE target forward over all
@@ -718,7 +719,7 @@ class Engine:
                 b.active[:n].copy_(b.host_active[:n], non_blocking=True)
                 uploaded = list(done)
             remaining = max(max_new_tokens - len(e) for e, d in zip(emitted, done) if not d)
-            chosen = self.auto_budget.choose() if auto else budget
+            chosen = self._agreed(self.auto_budget.choose()) if auto else budget
             key, t = self.round_key(mode, chosen, remaining, max(starts), n)
             fresh = not self.eager and key not in self._graphs
             r0 = time.perf_counter()
@@ -744,6 +745,16 @@ class Engine:
             stages = sum(getattr(timing, s) for s in self.STAGES)
             timing.host += (time.perf_counter() - wall0) * 1e3 - stages
         return [GenerateOutput(tokens=e, acceptance_lengths=rd, trace=None) for e, rd in zip(emitted, rounds)]
+
+    def _agreed(self, budget: int) -> int:
+        """Under expert parallelism, the auto budget of the group's rank 0 (its own timings decide), broadcast so
+        that every rank builds the same tree: one 8-byte collective per round. Alone: `budget` unchanged."""
+        if self.group is None:
+            return budget
+        import torch.distributed as dist
+        b = torch.tensor([budget], dtype=torch.long, device=self.device)
+        dist.broadcast(b, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return int(b)
 
     def _read_round(self, n: int, t: int):
         """The one host sync of a round: per request its committed length and emitted tokens."""

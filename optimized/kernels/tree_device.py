@@ -8,8 +8,6 @@ a warp of WARP = 4 lanes so that a 16-thread block already exercises the two-lev
 """
 from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shim)
 
-import math
-
 import numpy as np
 from numba import config, cuda
 
