@@ -2,7 +2,8 @@
 measured in the same run, never by absolute times:
 
   trained pair   optimized ddtree tokens/s >= 2.5x optimized ar and >= 1.3x optimized chain (best budget of
-                 16 / 64 / 128; 4 golden prompts x 128 tokens; warm-up pass first, so graphs are captured)
+                 16 / 32 / 64 / 128; the 8 golden prompts x 128 tokens; a warm-up pass first, so graphs are
+                 captured, then the median of 3 timed passes)
   K2.6 widths    a verify round (budget 32, prefix 4096, 3 layers: 1 dense + 2 MoE, random weights) within 1.3x
                  of the sum of its kernels' floors (optimized.synthetic.verify_floor; distinct experts measured)
 """
@@ -17,14 +18,18 @@ pytestmark = [pytest.mark.gpu, pytest.mark.speed]
 HERE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "trained")
 
 
-def tokens_per_second(fn, prompts):
+def tokens_per_second(fn, prompts, passes: int = 3):
+    """New tokens / wall seconds over all prompts: the median of `passes` timed passes after a warm-up pass."""
     for p in prompts:                                              # warm-up: captures, builds
         fn(p)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    n = sum(len(fn(p).tokens) for p in prompts)
-    torch.cuda.synchronize()
-    return n / (time.perf_counter() - t0)
+    rates = []
+    for _ in range(passes):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        n = sum(len(fn(p).tokens) for p in prompts)
+        torch.cuda.synchronize()
+        rates.append(n / (time.perf_counter() - t0))
+    return sorted(rates)[passes // 2]
 
 
 def test_trained_pair_ddtree_speedup():
@@ -32,14 +37,14 @@ def test_trained_pair_ddtree_speedup():
     target = optimized.load_target(os.path.join(HERE, "target"))
     drafter = optimized.load_drafter(os.path.join(HERE, "drafter"), target=target)
     cases = json.load(open(os.path.join(HERE, "golden.json")))["cases"]
-    prompts = [c["prompt_ids"] for c in cases[:2] + cases[4:6]]          # 2 code, 2 plays
+    prompts = [c["prompt_ids"] for c in cases]                           # 4 code, 4 plays
 
     def rate(mode, budget=None):
         return tokens_per_second(lambda p: optimized.generate(target, drafter, p, max_new_tokens=128, mode=mode,
                                                               budget=budget), prompts)
 
     ar, chain = rate("ar"), rate("chain")
-    best = max(rate("ddtree", b) for b in (16, 64, 128))
+    best = max(rate("ddtree", b) for b in (16, 32, 64, 128))
     print(f"tokens/s: ar {ar:.0f}, chain {chain:.0f}, best ddtree {best:.0f}: {best / ar:.2f}x ar, "
           f"{best / chain:.2f}x chain")
     assert best >= 2.5 * ar, f"ddtree {best:.0f} tokens/s is {best / ar:.2f}x ar (goal 2.5x)"
