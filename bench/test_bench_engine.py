@@ -141,7 +141,7 @@ def test_write_report(provenance):
                      f"{r['x_ar']:.2f} | {r['x_chain']:.2f} | {r['tau']:.2f} | {r['reference_tokens_per_s']:.1f} | "
                      f"{r['speedup_vs_reference']:.0f} | {cell('draft')} | {cell('tree')} | {cell('verify')} | "
                      f"{cell('commit')} | {cell('host')} | {r['prefill_ms_per_prompt']:.2f} | "
-                     f"{r.get('untimed_host_ms_per_round', float('nan')):.3f} |")
+                     f"{'%.3f' % r['untimed_host_ms_per_round'] if 'untimed_host_ms_per_round' in r else '-'} |")
     if BATCH_ROWS:
         lines += ["", "Several requests per round (generate_batch, ddtree budget 32, the 8 prompts decoded `requests` at "
                   "a time): aggregate tokens/s", "",
