@@ -432,31 +432,38 @@ class Engine:
             b.ctx_v[i].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
 
     def _draft(self, depth: int, bucket: int, n: int) -> torch.Tensor:
-        """Draft logits [n, depth, V] for positions start+1..start+depth, blocks [bonus, mask x depth]."""
+        """Draft logits [n, depth, V] for positions start+1..start+depth, blocks [bonus, mask x depth].
+
+        The block's keys/values are written into the context buffers at its own slots start..start+depth (rows
+        past the committed context, which commit's context extension overwrites), so attention reads one
+        [bucket] range per request with keys < start + depth + 1 visible: the context plus the whole block,
+        bidirectionally, as the reference's [context; block] concatenation. Grouped-query heads are served by
+        viewing the query heads as [kv heads, group] (no repeat of the context to every query head)."""
         d, b = self.drafter, self.buf
         blk = depth + 1
         ids = torch.cat([b.bonus[:n, None],
                          torch.full((n, depth), d.mask_token_id, dtype=torch.long, device=self.device)], 1)
         h = self.target.embed(ids.reshape(-1)).to(d.fc.weight.dtype) * d.cfg.input_embedding_scale  # [n*B, D]
         start = b.start[:n]
-        cos, sin = d._cos_sin((start[:, None] + b.arange[:blk]).reshape(-1))
+        pos = (start[:, None] + b.arange[:blk]).reshape(-1)
+        slots = pos + b.offs[:n].repeat_interleave(blk)
+        cos, sin = d._cos_sin(pos)
         keys = torch.arange(bucket, device=self.device)
-        visible = torch.cat([(keys[None, :] < start[:, None])[:, None, :].expand(n, blk, bucket),
-                             torch.ones(n, blk, blk, dtype=torch.bool, device=self.device)], 2)  # [n, B, bucket+B]
+        hidden = (keys[None, :] >= (start[:, None] + blk))[:, None, None, None, :]       # [n, 1, 1, 1, bucket]
         for i, layer in enumerate(d.layers):
             at = layer.self_attn
+            g, e = at.kv_heads, at.head_dim
             x = self.ops.norm(layer.input_layernorm, h)
-            q = self.ops.norm(at.q_norm, at.q_proj(x).view(n * blk, at.heads, at.head_dim))
-            q = self.ops.rope(q, cos, sin, False).view(n, blk, at.heads, at.head_dim)
+            q = self.ops.norm(at.q_norm, at.q_proj(x).view(n * blk, at.heads, e))
+            q = self.ops.rope(q, cos, sin, False).view(n, blk, g, at.heads // g, e)        # [n, B, G, rep, E]
             k_blk, v_blk = self._keys_values(at, x, cos, sin)
-            rep = at.heads // at.kv_heads       # einsum + repeat_interleave measured faster than SDPA with a
-            k = torch.cat([b.ctx_k[i, :n, :bucket], k_blk.view(n, blk, at.kv_heads, -1)], 1)   # bool mask + GQA
-            v = torch.cat([b.ctx_v[i, :n, :bucket], v_blk.view(n, blk, at.kv_heads, -1)], 1)   # (H200, K2.6:
-            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)         # 6.3 vs 7.0 ms)
-            scores = torch.einsum("nbhe,nshe->nhbs", q, k).to(torch.promote_types(q.dtype, torch.float32))
-            scores = (scores * at.head_dim ** -0.5).masked_fill(~visible[:, None], float("-inf"))
+            b.ctx_k[i].view(-1, g, e).index_copy_(0, slots, k_blk)
+            b.ctx_v[i].view(-1, g, e).index_copy_(0, slots, v_blk)
+            k, v = b.ctx_k[i, :n, :bucket], b.ctx_v[i, :n, :bucket]                      # [n, bucket, G, E]
+            scores = torch.einsum("nbgre,nsge->ngrbs", q, k).to(torch.promote_types(q.dtype, torch.float32))
+            scores = (scores * e ** -0.5).masked_fill(hidden, float("-inf"))
             p = torch.softmax(scores, dim=-1).to(q.dtype)
-            h = h + at.o_proj(torch.einsum("nhbs,nshe->nbhe", p, v).reshape(n * blk, -1))
+            h = h + at.o_proj(torch.einsum("ngrbs,nsge->nbgre", p, v).reshape(n * blk, -1))
             h = h + layer.mlp(self.ops.norm(layer.post_attention_layernorm, h))
         return d.logits(self.ops.norm(d.norm, h).view(n, blk, -1)[:, 1:])
 
@@ -652,7 +659,7 @@ class Engine:
             return (n, "chain", 0, depth, self._bucket(start + t)), t
         budget = self.drafter.block_size - 1 if budget is None else budget
         t = node_count(depth, min(budget, vocab), budget) + 1
-        return (n, "ddtree", budget, depth, self._bucket(start + t)), t
+        return (n, "ddtree", budget, depth, self._bucket(start + max(t, depth + 1))), t    # the draft block too
 
     @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens: int = 128, mode: str = "ddtree", budget=None,
