@@ -111,8 +111,6 @@ def test_engine_rejects_bad_input(pair):
         eng.generate(prompt_for(0, n=20), max_new_tokens=20)
     with pytest.raises(ValueError, match="budget 1025"):
         eng.generate(prompt_for(0), max_new_tokens=4, budget=1025)
-    with pytest.raises(ValueError, match="trace"):
-        eng.generate(prompt_for(0), max_new_tokens=4, trace=True)
     with pytest.raises(ValueError, match="backend must be one of"):
         Engine(target, drafter, backend="triton")
     with pytest.raises(ValueError, match="backend='cuda' needs the target on a CUDA device"):

@@ -73,5 +73,5 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 128, mode: str =
     out = engine.generate(prompt_ids, max_new_tokens=max_new_tokens, mode=mode, budget=budget,
                           temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                           stop_token_ids=stop_token_ids, trace=trace, on_tokens=on_tokens, timing=timing)
-    return EngineOutput(tokens=out.tokens, acceptance_lengths=out.acceptance_lengths, trace=None,
+    return EngineOutput(tokens=out.tokens, acceptance_lengths=out.acceptance_lengths, trace=out.trace,
                         backend=engine.backend, graphs=engine.graph_count)

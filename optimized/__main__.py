@@ -5,6 +5,10 @@ its options: --backend cuda|torch, --eager (no CUDA graphs), --max-seq-len, --bu
 device time by stage: draft, tree, verify, commit, from one CUDA graph per stage). Streams the text as rounds
 commit it; a progress line on stderr (tokens, tokens/s, tau) while it runs.
 
+`python -m optimized compare` (same options) decodes the prompt with the engine AND the reference decoder (same
+dtype and device), both traced, and prints the first round and stage where they part (optimized.debug), with
+the reference's top-1/top-2 margin when it is the target's choice; exit status 1 when they part.
+
 Expert parallel over several GPUs (optimized.distributed): `torchrun --nproc-per-node N -m optimized generate ...`.
 Each rank loads its share of the routed experts and the replicated rest; rank 0 prints the text and the summary,
 the other ranks print only their errors (prefixed with the rank). --dist-timeout bounds every collective.
@@ -100,7 +104,20 @@ def main(argv=None) -> int:
     g.add_argument("--timing", action="store_true", help="print per-round device time by stage")
     g.add_argument("--dist-timeout", type=float, default=None, help="under torchrun: seconds any collective may "
                    "wait (rendezvous and the slowest rank's load included) before the job fails; default 600")
+    c = sub.add_parser("compare", help="find the first round and stage where the engine departs from the "
+                       "reference decoder")
+    add_generate_args(c)
+    c.set_defaults(dtype="bfloat16", device="cuda")
+    c.add_argument("--backend", choices=["cuda", "torch"], default="cuda")
+    c.add_argument("--eager", action="store_true", help="run rounds without CUDA graphs")
+    c.add_argument("--max-seq-len", type=int, default=None, help="prompt + new tokens the buffers hold")
     args = parser.parse_args(argv)
+    if args.command == "compare":
+        try:
+            return _compare(args)
+        except (ValueError, OSError, RuntimeError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if args.trace:
         print("error: --trace is the reference decoder's tool: python -m reference generate --trace", file=sys.stderr)
         return 2
@@ -112,6 +129,41 @@ def main(argv=None) -> int:
     except (ValueError, OSError, RuntimeError) as e:        # bad input or a missing GPU stack: one clear line
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _compare(args) -> int:
+    import optimized
+    import reference
+    from optimized.debug import compare_runs
+    from optimized.engine import Engine
+    from reference.__main__ import DTYPES, load_tokenizer, stop_ids_of
+    dtype = DTYPES[args.dtype]
+    if args.mode != "ar" and not args.drafter:
+        print(f"error: --mode {args.mode} needs --drafter", file=sys.stderr)
+        return 2
+    fast_t = optimized.load_target(args.target, dtype=dtype, device=args.device)
+    fast_d = optimized.load_drafter(args.drafter, target=fast_t) if args.drafter else None
+    ref_t = reference.load_target(args.target, dtype=dtype, device=args.device)
+    ref_d = reference.load_drafter(args.drafter, target=ref_t) if args.drafter else None
+    if args.prompt is not None:
+        tok = load_tokenizer(args.target)
+        if tok is None:
+            print(f"error: {args.target} has no tokenizer.json; pass --prompt-ids", file=sys.stderr)
+            return 2
+        prompt = tok.encode(args.prompt).ids
+    else:
+        prompt = args.prompt_ids
+    engine = Engine(fast_t, fast_d, backend=args.backend, eager=args.eager,
+                    max_seq_len=args.max_seq_len or len(prompt) + args.max_new_tokens)
+    cmp = compare_runs(engine, ref_t, ref_d, prompt, max_new_tokens=args.max_new_tokens, mode=args.mode,
+                       budget=args.budget, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                       seed=args.seed, stop_token_ids=[] if args.no_stop else stop_ids_of(args.target, ref_t.cfg))
+    same = cmp.fast.tokens == cmp.reference.tokens
+    print(f"{args.mode} budget {args.budget}, {args.dtype} on {args.device}, backend {args.backend}: "
+          f"{len(cmp.reference.tokens)} reference tokens, {len(cmp.fast.tokens)} engine tokens, "
+          f"{'identical' if same else 'different'}; {cmp.rounds} round(s) compared")
+    print(cmp)
+    return 0 if cmp.divergence is None else 1
 
 
 def _main_distributed(args) -> int:

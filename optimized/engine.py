@@ -226,6 +226,22 @@ class _Round:
     logits: Optional[torch.Tensor] = None       #   start on a 16-byte boundary)
     feats: Optional[torch.Tensor] = None        # [R, T, F]
     choices: Optional[torch.Tensor] = None      # [R, T]
+    accepted: Optional[torch.Tensor] = None     # [R, T]: accepted row indices, -1 past the path
+    bonus: Optional[torch.Tensor] = None        # [R]
+
+
+@dataclass
+class EngineRoundTrace:
+    """One request's round as the engine ran it (generate(..., trace=True)); the fields of reference.decode's
+    RoundTrace that a comparison needs, as host lists. Row 0 is the root (the pending bonus token)."""
+    start: int                       # committed length before the round
+    ids: list                        # [T] token per tree row
+    parents: list                    # [T] parent row (-1 for the root)
+    depths: list                     # [T]
+    target_choices: list             # [T] the target's choice at each row
+    accepted: list                   # accepted rows, root first
+    bonus: int
+    emitted: list                    # tokens this round emitted (after stop / max_new_tokens cuts)
 
 
 @dataclass
@@ -519,6 +535,7 @@ class Engine:
             acc = torch.stack([o[0] for o in outs])                            # [n, T], -1 past the path
             length = torch.cat([o[1].reshape(1) for o in outs])                # [n]
             bonus = torch.cat([o[2].reshape(1) for o in outs])
+        r.accepted, r.bonus = acc, bonus
         start, base = b.start[:n], b.offs[:n, None] + b.start[:n, None]
         src = (base + acc.clamp(min=0)).reshape(-1)                            # rows past length: junk
         dst = (base + b.arange[:t]).reshape(-1)
@@ -543,15 +560,16 @@ class Engine:
 
     # ---- running a round: eager, one graph, or one graph per stage ---------------------------------------
 
-    def _run_round(self, key, timing: Optional[RoundTiming]):
+    def _run_round(self, key, timing: Optional[RoundTiming]) -> _Round:
+        """Run one round; returns its _Round (under graphs: the captured one, whose tensors the replay wrote)."""
         if self.eager:
             r = _Round()
             if timing is None:
                 for fn in self._stage_fns():
                     fn(r, key)
-                return
-            self._timed([lambda fn=fn: fn(r, key) for fn in self._stage_fns()], timing)
-            return
+            else:
+                self._timed([lambda fn=fn: fn(r, key) for fn in self._stage_fns()], timing)
+            return r
         rec = self._graphs.get(key)
         if rec is None:
             rec = self._capture(key, per_stage=timing is not None)
@@ -560,6 +578,7 @@ class Engine:
                 g.replay()
         else:
             self._timed([g.replay for g in rec.graphs], timing)
+        return rec.rnd
 
     def _timed(self, calls, timing: RoundTiming):
         if len(calls) != len(self.STAGES):
@@ -667,7 +686,9 @@ class Engine:
                  stop_token_ids=None, trace: bool = False, on_tokens: Optional[Callable] = None,
                  timing: Optional[RoundTiming] = None) -> GenerateOutput:
         """reference.generate's contract (same tokens under greedy decoding, same acceptance_lengths).
-        budget: an int (DDTree nodes), None (block_size - 1) or "auto" (AutoBudget)."""
+        budget: an int (DDTree nodes), None (block_size - 1) or "auto" (AutoBudget). trace: keep an
+        EngineRoundTrace per round (out.trace; one host read per row list a round: for debugging, see
+        optimized.debug)."""
         cb = (lambda r, new: on_tokens(new)) if on_tokens else None
         return self.generate_batch([prompt_ids], max_new_tokens, mode, budget, temperature, top_p, top_k, seed,
                                    stop_token_ids, trace, cb, timing)[0]
@@ -698,9 +719,6 @@ class Engine:
             if p.numel() + max_new_tokens > self.max_seq_len:
                 raise ValueError(f"prompt ({p.numel()}) + max_new_tokens ({max_new_tokens}) exceeds this engine's "
                                  f"max_seq_len {self.max_seq_len}; build the Engine with a larger max_seq_len")
-        if trace:
-            raise ValueError("trace=True is the reference decoder's tool (reference.generate(..., trace=True)); "
-                             "the engine does not keep per-round trees")
         if timing is not None and not (self.eager or self.stage_timing):
             raise ValueError("per-stage timing needs Engine(..., stage_timing=True) (one graph per stage) or "
                              "eager=True")
@@ -710,6 +728,7 @@ class Engine:
         self._sampling = (temperature, top_p, top_k, gen)
         b = self.buf
         emitted, rounds, starts = [], [[] for _ in range(n)], []
+        traces = [[] for _ in range(n)] if trace else None
         for r, (p, _) in enumerate(checked):
             first = int(self._choose(self._prefill(p, r))[0])
             b.bonus[r] = first
@@ -730,8 +749,9 @@ class Engine:
             key, t = self.round_key(mode, chosen, remaining, max(starts), n)
             fresh = not self.eager and key not in self._graphs
             r0 = time.perf_counter()
-            self._run_round(key, timing)
+            rnd = self._run_round(key, timing)
             lengths, tokens = self._read_round(n, t)
+            pending = [self._trace(rnd, j, t, starts[j], emitted[j][-1]) for j in range(n)] if trace else None
             if auto and not fresh:
                 self.auto_budget.observe(chosen, lengths[0], time.perf_counter() - r0)
             for r in range(n):
@@ -745,13 +765,27 @@ class Engine:
                         break
                 emitted[r] += new
                 rounds[r].append(len(new))
+                if trace:
+                    pending[r].emitted = new
+                    traces[r].append(pending[r])
                 done[r] = len(emitted[r]) >= max_new_tokens or emitted[r][-1] in stops
                 if on_tokens:
                     on_tokens(r, new)
         if timing is not None:
             stages = sum(getattr(timing, s) for s in self.STAGES)
             timing.host += (time.perf_counter() - wall0) * 1e3 - stages
-        return [GenerateOutput(tokens=e, acceptance_lengths=rd, trace=None) for e, rd in zip(emitted, rounds)]
+        return [GenerateOutput(tokens=e, acceptance_lengths=rd, trace=traces[j] if trace else None)
+                for j, (e, rd) in enumerate(zip(emitted, rounds))]
+
+    def _trace(self, rnd: _Round, j: int, t: int, start: int, root: int) -> EngineRoundTrace:
+        """Request j's round from the round's tensors (host copies: trace runs are for debugging, not speed).
+        The root row's id is the pending bonus token (in ar rounds the ids tensor aliases the bonus buffer,
+        which commit has already advanced)."""
+        ids = rnd.ids[j, :t].tolist()
+        acc = [a for a in rnd.accepted[j, :t].tolist() if a >= 0]
+        return EngineRoundTrace(start=start, ids=[root] + ids[1:], parents=rnd.parents[j, :t].tolist(),
+                                depths=rnd.depths[j, :t].tolist(), target_choices=rnd.choices[j, :t].tolist(),
+                                accepted=acc, bonus=int(rnd.bonus[j]), emitted=[])
 
     def _agreed(self, budget: int) -> int:
         """Under expert parallelism, the auto budget of the group's rank 0 (its own timings decide), broadcast so
