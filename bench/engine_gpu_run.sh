@@ -11,7 +11,7 @@ export DDTREE_BENCH_OUT=$OUT
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
 q="-q -p no:cacheprovider --tb=short"
 
-timeout ${TEST_TIMEOUT:-200} python3 -m pytest conformance/test_engine.py conformance/test_norm_rope.py -m gpu $q -rP \
+timeout ${TEST_TIMEOUT:-200} python3 -m pytest conformance/test_engine.py conformance/test_norm_rope.py conformance/test_debug.py -m gpu $q -rP \
   > "$OUT/tests.txt" 2>&1
 echo "conformance rc=$?"; grep -E "cases equal|near-tie divergence\(s\)$|passed|failed|FAILED" "$OUT/tests.txt" | tail -12
 

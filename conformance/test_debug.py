@@ -1,6 +1,7 @@
 """optimized.debug: the round-by-round comparison that points at the first stage where a fast decoder departs
 from the reference, and the engine's own trace (Engine.generate(..., trace=True)).
 
+GPU (marked gpu): the trace read from the captured graphs equals an eager run's.
 CPU: the torch-backend engine in float64 traces the same rounds as the reference (no divergence, ar / chain /
 ddtree, greedy and with stop tokens cutting a round); faults injected into one stage of one round (a tree row
 changed, a target choice changed, an accepted row dropped) are reported at exactly that round and stage, and a
@@ -141,3 +142,29 @@ def test_cli_compare_on_the_trained_pair():
     r = subprocess.run(args, cwd=root, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
     assert "identical" in r.stdout and "no divergence in" in r.stdout, r.stdout
+
+
+@pytest.mark.gpu
+def test_cuda_trace_under_graphs_equals_eager():
+    """The trace read back from the captured round's tensors (graph mode) equals an eager run's, round for round;
+    the comparison with the bf16 reference decoder on the same GPU is printed (its first difference, if any, is
+    normally a tree built from slightly different bf16 draft logits: harmless for the tokens)."""
+    import json
+    import os
+    import optimized
+    here = os.path.join(os.path.dirname(__file__), "..", "fixtures", "trained")
+    target = optimized.load_target(os.path.join(here, "target"))
+    drafter = optimized.load_drafter(os.path.join(here, "drafter"), target=target)
+    prompt_ids = json.load(open(os.path.join(here, "golden.json")))["cases"][4]["prompt_ids"]
+    graphs = Engine(target, drafter, max_seq_len=256)
+    eager = Engine(target, drafter, max_seq_len=256, eager=True)
+    assert graphs.backend == eager.backend == "cuda"
+    g = graphs.generate(prompt_ids, max_new_tokens=48, mode="ddtree", budget=16, trace=True)
+    e = eager.generate(prompt_ids, max_new_tokens=48, mode="ddtree", budget=16, trace=True)
+    assert graphs.graph_count > 0 and eager.graph_count == 0
+    div, rounds = compare_traces(g.trace, e.trace, e.tokens[0])
+    assert div is None and rounds == len(e.trace) > 0, str(div)
+    ref_t = reference.load_target(os.path.join(here, "target"), dtype=torch.bfloat16, device="cuda")
+    ref_d = reference.load_drafter(os.path.join(here, "drafter"), target=ref_t)
+    print("engine vs bf16 reference:", compare_runs(graphs, ref_t, ref_d, prompt_ids, max_new_tokens=48,
+                                                     mode="ddtree", budget=16))
