@@ -361,7 +361,7 @@ class Engine:
         cfg, b = self.cfg, self.buf
         n, t = ids.shape
         start = b.start[r0:r0 + n]
-        slots = (b.offs[r0:r0 + n, None] + start[:, None] + b.arange[:t]).reshape(-1)      # flat [n*T]
+        _, slots = self._rows(r0, n, t)                                                      # flat [n*T]
         seq_len = (start + t).to(torch.int32)
         cos, sin = rope_cos_sin(self.target.inv_freq, (start[:, None] + depths).reshape(-1), self._rope_amp)
         h = self.target.embed(ids.reshape(-1))                                               # [n*T, D]
@@ -436,16 +436,26 @@ class Engine:
     def _extend_context(self, feats: torch.Tensor, r0: int = 0):
         """Context keys/values of feats [n, m, F] (requests r0..r0+n-1) at positions/slots start..start+m-1 (rows
         past a request's accepted count are garbage beyond its committed context, overwritten later)."""
-        d, b = self.drafter, self.buf
+        d = self.drafter
         n, m = feats.shape[:2]
         c = self.ops.norm(d.hidden_norm, d.fc(feats.reshape(n * m, -1).to(d.fc.weight.dtype)))
-        pos = (b.start[r0:r0 + n, None] + b.arange[:m]).reshape(-1)
-        slots = pos + b.offs[r0:r0 + n].repeat_interleave(m)
+        pos, slots = self._rows(r0, n, m)
         cos, sin = d._cos_sin(pos)
         for i, layer in enumerate(d.layers):
-            k, v = self._keys_values(layer.self_attn, c, cos, sin)
-            b.ctx_k[i].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
-            b.ctx_v[i].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+            self._write_context(i, slots, *self._keys_values(layer.self_attn, c, cos, sin))
+
+    def _rows(self, r0: int, n: int, m: int):
+        """Rows start..start+m-1 of requests r0..r0+n-1: their positions [n*m] and flat slots in the [R*cap]
+        ranges of the static buffers."""
+        b = self.buf
+        pos = (b.start[r0:r0 + n, None] + b.arange[:m]).reshape(-1)
+        return pos, pos + b.offs[r0:r0 + n].repeat_interleave(m)
+
+    def _write_context(self, i: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Drafter layer i's keys/values [rows, G, E] into the context buffers at flat slots."""
+        b = self.buf
+        b.ctx_k[i].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+        b.ctx_v[i].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
 
     def _draft(self, depth: int, bucket: int, n: int) -> torch.Tensor:
         """Draft logits [n, depth, V] for positions start+1..start+depth, blocks [bonus, mask x depth].
@@ -461,8 +471,7 @@ class Engine:
                          torch.full((n, depth), d.mask_token_id, dtype=torch.long, device=self.device)], 1)
         h = self.target.embed(ids.reshape(-1)).to(d.fc.weight.dtype) * d.cfg.input_embedding_scale  # [n*B, D]
         start = b.start[:n]
-        pos = (start[:, None] + b.arange[:blk]).reshape(-1)
-        slots = pos + b.offs[:n].repeat_interleave(blk)
+        pos, slots = self._rows(0, n, blk)
         cos, sin = d._cos_sin(pos)
         keys = torch.arange(bucket, device=self.device)
         hidden = (keys[None, :] >= (start[:, None] + blk))[:, None, None, None, :]       # [n, 1, 1, 1, bucket]
@@ -472,9 +481,7 @@ class Engine:
             x = self.ops.norm(layer.input_layernorm, h)
             q = self.ops.norm(at.q_norm, at.q_proj(x).view(n * blk, at.heads, e))
             q = self.ops.rope(q, cos, sin, False).view(n, blk, g, at.heads // g, e)        # [n, B, G, rep, E]
-            k_blk, v_blk = self._keys_values(at, x, cos, sin)
-            b.ctx_k[i].view(-1, g, e).index_copy_(0, slots, k_blk)
-            b.ctx_v[i].view(-1, g, e).index_copy_(0, slots, v_blk)
+            self._write_context(i, slots, *self._keys_values(at, x, cos, sin))
             k, v = b.ctx_k[i, :n, :bucket], b.ctx_v[i, :n, :bucket]                      # [n, bucket, G, E]
             scores = torch.einsum("nbgre,nsge->ngrbs", q, k).to(torch.promote_types(q.dtype, torch.float32))
             scores = (scores * e ** -0.5).masked_fill(hidden, float("-inf"))
