@@ -82,6 +82,10 @@ def _first_diff(a: Sequence, b: Sequence) -> Optional[int]:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def _at(seq: Sequence, row: int):
+    return seq[row] if row < len(seq) else "no row"
+
+
 def compare_traces(fast: Sequence, expected: Sequence, first_token: int, target=None,
                    prompt_ids=None) -> tuple[Optional[Divergence], int]:
     """(first Divergence or None, rounds compared) between a fast trace and the reference trace (either may be
@@ -90,29 +94,24 @@ def compare_traces(fast: Sequence, expected: Sequence, first_token: int, target=
     and `prompt_ids`, a verify divergence gets the reference's margin at that row."""
     emitted = [int(first_token)]
     for i, (f, e) in enumerate(zip(fast, expected)):
+        if e.start != f.start:
+            return Divergence(i, "start", None, e.start, f.start), i + 1
         ids, parents = _rows(e)
-        f_ids, f_parents = _rows(f)
-        checks = [
-            ("start", None, e.start, f.start),
-            ("tree", _first_diff(list(zip(ids, parents)), list(zip(f_ids, f_parents))), None, None),
-            ("verify", _first_diff(list(e.target_choices), list(f.target_choices)), None, None),
-            ("follow", None, (list(e.accepted), e.bonus), (list(f.accepted), f.bonus)),
-            ("commit", None, list(e.emitted), list(f.emitted)),
-        ]
-        for stage, row, want, got in checks:
-            if stage == "tree" and row is not None:
-                want = (ids[row], parents[row]) if row < len(ids) else "no row"
-                got = (f_ids[row], f_parents[row]) if row < len(f_ids) else "no row"
-            elif stage == "verify" and row is not None:
-                want = e.target_choices[row] if row < len(e.target_choices) else "no row"
-                got = f.target_choices[row] if row < len(f.target_choices) else "no row"
-                margin = None
-                if target is not None and prompt_ids is not None and row < len(ids):
-                    margin = reference_margin(target, list(prompt_ids) + emitted + _path(parents, ids, row))
-                return Divergence(i, stage, row, want, got, margin), i + 1
-            elif row is None and want == got:
-                continue
-            return Divergence(i, stage, row, want, got), i + 1
+        want, got = list(zip(ids, parents)), list(zip(*_rows(f)))
+        row = _first_diff(want, got)
+        if row is not None:
+            return Divergence(i, "tree", row, _at(want, row), _at(got, row)), i + 1
+        row = _first_diff(list(e.target_choices), list(f.target_choices))
+        if row is not None:
+            margin = None
+            if target is not None and prompt_ids is not None and row < len(ids):
+                margin = reference_margin(target, list(prompt_ids) + emitted + _path(parents, ids, row))
+            return Divergence(i, "verify", row, _at(e.target_choices, row), _at(f.target_choices, row),
+                              margin), i + 1
+        for stage, want, got in (("follow", (list(e.accepted), e.bonus), (list(f.accepted), f.bonus)),
+                                 ("commit", list(e.emitted), list(f.emitted))):
+            if want != got:
+                return Divergence(i, stage, None, want, got), i + 1
         emitted += list(e.emitted)
     if len(fast) != len(expected):
         n = min(len(fast), len(expected))
