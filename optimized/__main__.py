@@ -136,7 +136,7 @@ def _compare(args) -> int:
     import reference
     from optimized.debug import compare_runs
     from optimized.engine import Engine
-    from reference.__main__ import DTYPES, load_tokenizer, stop_ids_of
+    from reference.__main__ import DTYPES, load_tokenizer, prompt_ids_of, stop_ids_of
     dtype = DTYPES[args.dtype]
     if args.mode != "ar" and not args.drafter:
         print(f"error: --mode {args.mode} needs --drafter", file=sys.stderr)
@@ -145,14 +145,9 @@ def _compare(args) -> int:
     fast_d = optimized.load_drafter(args.drafter, target=fast_t) if args.drafter else None
     ref_t = reference.load_target(args.target, dtype=dtype, device=args.device)
     ref_d = reference.load_drafter(args.drafter, target=ref_t) if args.drafter else None
-    if args.prompt is not None:
-        tok = load_tokenizer(args.target)
-        if tok is None:
-            print(f"error: {args.target} has no tokenizer.json; pass --prompt-ids", file=sys.stderr)
-            return 2
-        prompt = tok.encode(args.prompt).ids
-    else:
-        prompt = args.prompt_ids
+    prompt = prompt_ids_of(args, load_tokenizer(args.target) if args.prompt is not None else None)
+    if prompt is None:
+        return 2
     engine = Engine(fast_t, fast_d, backend=args.backend, eager=args.eager,
                     max_seq_len=args.max_seq_len or len(prompt) + args.max_new_tokens)
     cmp = compare_runs(engine, ref_t, ref_d, prompt, max_new_tokens=args.max_new_tokens, mode=args.mode,

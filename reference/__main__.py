@@ -39,6 +39,17 @@ def stop_ids_of(target_dir: str, cfg) -> list[int]:
     return sorted(set(ids))
 
 
+def prompt_ids_of(args, tok):
+    """The prompt's token ids (--prompt through the tokenizer, or --prompt-ids); None, with the error printed,
+    when --prompt is given and the target directory has no tokenizer."""
+    if args.prompt is None:
+        return args.prompt_ids
+    if tok is None:
+        print(f"error: {args.target} has no tokenizer.json; pass --prompt-ids", file=sys.stderr)
+        return None
+    return tok.encode(args.prompt).ids
+
+
 def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="HF-format target directory (config.json + safetensors)")
     p.add_argument("--drafter", help="HF-format DFlash drafter directory (needed for chain and ddtree)")
@@ -93,13 +104,9 @@ def run_generate(args, tier) -> int:
         print(f"error: --mode {args.mode} needs --drafter", file=sys.stderr)
         return 2
     tok = load_tokenizer(args.target)
-    if args.prompt is not None:
-        if tok is None:
-            print(f"error: {args.target} has no tokenizer.json; pass --prompt-ids", file=sys.stderr)
-            return 2
-        prompt = tok.encode(args.prompt).ids
-    else:
-        prompt = args.prompt_ids
+    prompt = prompt_ids_of(args, tok)
+    if prompt is None:
+        return 2
     stops = [] if args.no_stop else stop_ids_of(args.target, target.cfg)
     emitted: list[int] = []
 
