@@ -59,6 +59,16 @@ def provenance(benchmark):
     return benchmark.extra_info
 
 
+@pytest.fixture
+def bench_out():
+    """The report directory DDTREE_BENCH_OUT (created); the report test is skipped when it is not set."""
+    out = os.environ.get("DDTREE_BENCH_OUT")
+    if not out:
+        pytest.skip("set DDTREE_BENCH_OUT to write the report")
+    os.makedirs(out, exist_ok=True)
+    return out
+
+
 def cuda_time(fn, warmup: int = 10, reps: int = 100) -> float:
     """Median seconds of fn() over `reps` CUDA-event-timed runs after `warmup` runs."""
     import torch

@@ -112,12 +112,11 @@ def test_engine_batched_throughput(benchmark, provenance, pair, requests):
     BATCH_ROWS.append(row)
 
 
-def test_write_report(provenance):
+def test_write_report(provenance, bench_out):
     """Summary JSON/markdown/PNG of the rows above (runs last in this file)."""
-    out = os.environ.get("DDTREE_BENCH_OUT")
-    if not out or not ROWS:
-        pytest.skip("set DDTREE_BENCH_OUT to write the report")
-    os.makedirs(out, exist_ok=True)
+    out = bench_out
+    if not ROWS:
+        pytest.skip("no rows: the report follows this file's bench tests")
     ar = next(r for r in ROWS if r["mode"] == "ar")["tokens_per_s"]
     chain = next(r for r in ROWS if r["mode"] == "chain")["tokens_per_s"]
     for r in ROWS:
