@@ -242,7 +242,7 @@ def test_nvcc_builds(arch, src, tmp_path):
     text = open(os.path.join(KERNELS, src)).read()
     if src == "moe_int4.cu":
         for v in moe_k.GEMM_VARIANTS:
-            assert "BOTH(%d, %d, %d)" % v in text, f"MOE_NVCC_CHECK list misses variant {v}"
+            assert "BOTH(%d, %d, %d, %d)" % v in text, f"MOE_NVCC_CHECK list misses variant {v}"
     res = subprocess.run(["nvcc", f"-arch={arch}", "-cubin", "-DMOE_NVCC_CHECK", "-Xptxas", "-v", "-o",
                           str(tmp_path / "k.cubin"), os.path.join(KERNELS, src)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -340,6 +340,32 @@ def test_stages_vs_dequantized_gemm(hidden, inter, group, variant):
         got_h = h[p.cuda(), :inter].cpu()
         assert_close(got_h, want_h, 2 ** -7, f"h of expert {e} (variant {variant})")
         assert_close(y[p.cuda()].cpu(), got_h.double() @ wd.T, 1e-5, f"down of expert {e} (variant {variant})")
+
+
+@pytest.mark.gpu
+def test_variants_bit_identical():
+    """Every variant issues the same mma sequence per output element; they differ only in how the weights arrive
+    (register stage or cp.async ring) and how many token columns a pass holds, so h and y are bitwise equal.
+    The shape makes warps stream several items (4096 tiles per GEMM > the resident warps), several 8-token
+    passes per item (~25 tokens per expert) and a last stage of fewer than U chunks (C = 5 and 3)."""
+    layer = k26_random_layer("cuda", n_experts=64, hidden=320, inter=160, seed=3)
+    big = k26_random_layer("cuda", n_experts=64, hidden=1024, inter=512, seed=4)
+    for lay, tokens in ((layer, 200), (big, 200)):
+        w, cfg = lay["weights"], lay["cfg"]
+        gen = torch.Generator(device="cuda").manual_seed(tokens)
+        x = torch.randn(tokens, cfg.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
+        idx, _ = moe_k.router(x, w, cfg)
+        gr = moe_k.group_tokens(idx, w)
+        first = None
+        for v in moe_k.GEMM_VARIANTS:
+            h = moe_k.gate_up(x, w, gr, v)
+            y = moe_k.down(h, w, gr, v)
+            n = tokens * cfg.num_experts_per_tok
+            if first is None:
+                first = (v, h[:n].clone(), y[:n].clone())
+                continue
+            assert torch.equal(h[:n], first[1]), f"gate_up {v} != {first[0]} (hidden {cfg.hidden_size})"
+            assert torch.equal(y[:n], first[2]), f"down {v} != {first[0]} (hidden {cfg.hidden_size})"
 
 
 def check_moe_forward(cfg, seed, tokens):

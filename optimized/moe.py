@@ -51,10 +51,13 @@ __all__ = ["MoEWeights", "Grouping", "compile_target", "repack", "unrepack", "pa
            "group_tokens", "pick_variant", "gate_up", "down", "combine", "moe_routed", "shared_expert", "moe_forward"]
 
 _KERNELS = Path(__file__).resolve().parent / "kernels"
-# (NT n-tiles of 8 tokens per pass, U chunks per register stage, XB chunks per activation batch): the
-# instantiations compiled (each also in the .cu's MOE_NVCC_CHECK list). (1, 4, 4) was the fastest on the H200 at
-# every T from 1 to 256 (bench/results/moe_int4.md); NT=4 serves experts with > 32 tokens.
-GEMM_VARIANTS = ((1, 4, 4), (1, 4, 1), (1, 2, 2), (4, 1, 1))
+# (NT n-tiles of 8 tokens per pass, U chunks per stage, XB chunks per activation batch, S shared-memory stages):
+# the instantiations compiled (each also in the .cu's MOE_NVCC_CHECK list). S = 0: moe_int4_gemm, the next stage
+# held in registers; S > 0 (NT = 1 only): moe_int4_gemm_cp, a cp.async ring of S stages per warp. (1, 4, 4, 0) was
+# the fastest register variant on the H200 at every T from 1 to 256 (bench/results/moe_int4.md); NT=4 serves
+# experts with > 32 tokens.
+GEMM_VARIANTS = ((1, 4, 4, 0), (1, 4, 1, 0), (1, 2, 2, 0), (4, 1, 1, 0), (1, 4, 4, 4), (1, 4, 2, 3), (1, 2, 2, 8))
+_CHUNK_SMEM = 576        # bytes of one chunk in a cp.async ring: 32 lanes x 16 B of words + 64 B of scales
 _WARPS = 8
 
 
@@ -225,7 +228,8 @@ def load_moe_weights(moe, cfg, experts: Optional[Sequence[int]] = None, device="
 
 @functools.lru_cache(maxsize=None)
 def _kernels(device_index: int):
-    """Compile (once per device; CuPy caches the cubin on disk) and return (functions, SM count, warps/SM)."""
+    """Compile (once per device; CuPy caches the cubin on disk) and return (functions, SM count, warps/SM,
+    (shared memory per block opt-in, per SM)); the cp.async variants get their dynamic shared-memory limit raised."""
     try:
         import cupy
     except ImportError as e:
@@ -240,9 +244,16 @@ def _kernels(device_index: int):
                             name_expressions=gemm + comb)
         m2 = cupy.RawModule(code=(_KERNELS / "moe_route.cu").read_text(), options=options)
         fns = {n: m1.get_function(n) for n in gemm + comb}
+        optin = int(cupy.cuda.Device(device_index).attributes["MaxSharedMemoryPerBlockOptin"])
+        for v in GEMM_VARIANTS:
+            if _smem_bytes(v) > 48 * 1024:           # the default dynamic limit; raise it where the device can
+                for epi in (0, 1):
+                    if _smem_bytes(v) <= optin:
+                        fns[_gemm_name(v, epi)].max_dynamic_shared_size_bytes = _smem_bytes(v)
         fns.update({n: m2.get_function(n) for n in ("moe_route", "moe_group")})
     props = torch.cuda.get_device_properties(device_index)
-    return fns, props.multi_processor_count, props.max_threads_per_multi_processor // 32
+    smem_sm = int(cupy.cuda.Device(device_index).attributes["MaxSharedMemoryPerMultiprocessor"])
+    return fns, props.multi_processor_count, props.max_threads_per_multi_processor // 32, (optin, smem_sm)
 
 
 def compile_target(device_index: int = 0) -> str:
@@ -334,25 +345,37 @@ def group_tokens(idx: torch.Tensor, weights: MoEWeights) -> Grouping:
 
 
 def _gemm_name(variant, epi: int) -> str:
-    return "moe_int4_gemm<%d,%d,%d,%d>" % (*variant, epi)
+    nt, u, xb, stages = variant
+    return f"moe_int4_gemm_cp<{stages},{u},{xb},{epi}>" if stages else f"moe_int4_gemm<{nt},{u},{xb},{epi}>"
+
+
+def _smem_bytes(variant) -> int:
+    """Dynamic shared memory of a launch: the cp.async rings of the block's warps (0 for register variants)."""
+    return _WARPS * variant[3] * variant[1] * _CHUNK_SMEM
 
 
 def pick_variant(tokens: int, top_k: int, n_experts: int):
     """(NT, U, XB) for a call. NT=1 (8-token passes) with activations batched 4 chunks deep measured fastest at
-    every T from 1 to 256 under near-uniform routing (H200, bench/results/moe_int4.md): with 1-15 tokens per
-    expert the weight stream, not the tokens, is the cost. Only when the likely largest expert (mean + 3 sigma
+    every T from 1 to 256 under near-uniform routing among the register variants (H200,
+    bench/results/moe_int4.md): with 1-15 tokens per expert the weight stream, not the tokens, is the cost. Only when the likely largest expert (mean + 3 sigma
     of uniform routing, at most T) needs more than 4 passes do wider n-tiles take over (not yet timed)."""
     m = tokens * top_k / max(1, n_experts)
     need = min(tokens, m + 3 * math.sqrt(m) + 1)
-    return (1, 4, 4) if need <= 32 else (4, 1, 1)
+    return (1, 4, 4, 0) if need <= 32 else (4, 1, 1, 0)
 
 
 @functools.lru_cache(maxsize=None)
-def _resident_blocks(name: str, device_index: int) -> int:
+def _resident_blocks(name: str, device_index: int, smem: int = 0) -> int:
     """Blocks of 8 warps that fit on the whole GPU at once (registers are the limit): the persistent grid."""
-    fns, n_sm, warps_per_sm = _kernels(device_index)
+    fns, n_sm, warps_per_sm, (optin, smem_sm) = _kernels(device_index)
     per_warp = -(-fns[name].num_regs * 32 // 256) * 256
-    return n_sm * max(1, min(warps_per_sm, 65536 // per_warp) // _WARPS)
+    blocks = min(warps_per_sm, 65536 // per_warp) // _WARPS
+    if smem:
+        if smem > optin:
+            raise ValueError(f"moe gemm {name}: needs {smem} B of shared memory per block, the device allows "
+                             f"{optin}; choose a variant with fewer stages (S) or chunks per stage (U)")
+        blocks = min(blocks, smem_sm // (smem + 1024))            # 1 KB per block reserved by the driver
+    return n_sm * max(1, blocks)
 
 
 def _run_gemm(epi: int, act: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, g: Grouping, out: torch.Tensor,
@@ -360,13 +383,14 @@ def _run_gemm(epi: int, act: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, g
     variant = tuple(variant) if variant is not None else pick_variant(g.tokens, g.top_k, n_experts)
     if variant not in GEMM_VARIANTS:
         raise ValueError(f"moe gemm: variant {variant} not compiled; choose from {GEMM_VARIANTS}")
-    name = _gemm_name(variant, epi)
+    name, smem = _gemm_name(variant, epi), _smem_bytes(variant)
     r, c = wq.shape[1], wq.shape[2]
     a = g.active.shape[1]
-    grid = max(1, min(_resident_blocks(name, act.device.index), -(-a * r // _WARPS)))
+    grid = max(1, min(_resident_blocks(name, act.device.index, smem), -(-a * r // _WARPS)))
     _launch(name, act.device, (grid,), (32 * _WARPS,),
             (_p(wq), _p(ws), _p(act), np.int32(act.shape[1]), _p(g.token_of_pos if epi == 0 else None),
-             _p(g.active), np.int32(a), _p(g.n_active), _p(out), np.int32(out.shape[1]), np.int32(r), np.int32(c)))
+             _p(g.active), np.int32(a), _p(g.n_active), _p(out), np.int32(out.shape[1]), np.int32(r), np.int32(c)),
+            smem)
 
 
 def gate_up(x: torch.Tensor, weights: MoEWeights, grouping: Grouping, variant=None) -> torch.Tensor:
