@@ -344,8 +344,9 @@ def test_stages_vs_dequantized_gemm(hidden, inter, group, variant):
 
 @pytest.mark.gpu
 def test_variants_bit_identical():
-    """Every variant issues the same mma sequence per output element; they differ only in how the weights arrive
-    (register stage or cp.async ring) and how many token columns a pass holds, so h and y are bitwise equal.
+    """Every variant, in either weight layout, issues the same mma sequence per output element; they differ only
+    in where the weights lie and how they arrive (register stage or cp.async ring) and how many token columns a
+    pass holds, so h and y are bitwise equal.
     The shape makes warps stream several items (4096 tiles per GEMM > the resident warps), several 8-token
     passes per item (~25 tokens per expert) and a last stage of fewer than U chunks (C = 5 and 3)."""
     layer = k26_random_layer("cuda", n_experts=64, hidden=320, inter=160, seed=3)
@@ -357,15 +358,15 @@ def test_variants_bit_identical():
         idx, _ = moe_k.router(x, w, cfg)
         gr = moe_k.group_tokens(idx, w)
         first = None
-        for v in moe_k.GEMM_VARIANTS:
-            h = moe_k.gate_up(x, w, gr, v)
-            y = moe_k.down(h, w, gr, v)
-            n = tokens * cfg.num_experts_per_tok
+        for wl, v in [(wl, v) for wl in (w, moe_k.to_chunk_major(w)) for v in moe_k.GEMM_VARIANTS]:
+            h = moe_k.gate_up(x, wl, gr, v)
+            y = moe_k.down(h, wl, gr, v)
+            n, what = tokens * cfg.num_experts_per_tok, (v, "chunk-major" if wl.chunk_major else "tile-major")
             if first is None:
-                first = (v, h[:n].clone(), y[:n].clone())
+                first = (what, h[:n].clone(), y[:n].clone())
                 continue
-            assert torch.equal(h[:n], first[1]), f"gate_up {v} != {first[0]} (hidden {cfg.hidden_size})"
-            assert torch.equal(y[:n], first[2]), f"down {v} != {first[0]} (hidden {cfg.hidden_size})"
+            assert torch.equal(h[:n], first[1]), f"gate_up {what} != {first[0]} (hidden {cfg.hidden_size})"
+            assert torch.equal(y[:n], first[2]), f"down {what} != {first[0]} (hidden {cfg.hidden_size})"
 
 
 def check_moe_forward(cfg, seed, tokens):
@@ -504,10 +505,11 @@ def random_routes(layer, tokens, reps, seed=0):
     return [(x, *moe_k.router(x, w, cfg)) for x in xs]
 
 
-def routed_bandwidth(layer, tokens, reps=20, **variant) -> dict:
+def routed_bandwidth(layer, tokens, reps=20, weights=None, **variant) -> dict:
     """Our routed experts (group + gate_up + down + combine) on fresh routings: median time, distinct experts
-    and achieved bandwidth = distinct-expert bytes / time (median over calls)."""
-    w, cfg = layer["weights"], layer["cfg"]
+    and achieved bandwidth = distinct-expert bytes / time (median over calls). weights: another layout of the
+    layer's weights (default the layer's own)."""
+    w, cfg = weights or layer["weights"], layer["cfg"]
     routes = random_routes(layer, tokens, reps)
     distinct = [int(idx.unique().numel()) for _, idx, _ in routes]
     fns = [(lambda x=x, i=i, wt=wt: moe_k.moe_routed(x, i, wt, w, **variant)) for x, i, wt in routes]

@@ -33,6 +33,7 @@ copy) on torch's current stream; building CuPy views per call would cost microse
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ from reference.int4 import pack_int4
 
 from .cuda_launch import launch, ptr as _p
 
-__all__ = ["MoEWeights", "Grouping", "compile_target", "repack", "unrepack", "pack_experts", "load_moe_weights", "route", "router",
+__all__ = ["MoEWeights", "Grouping", "compile_target", "repack", "unrepack", "pack_experts", "load_moe_weights", "to_chunk_major", "route", "router",
            "group_tokens", "pick_variant", "gate_up", "down", "combine", "moe_routed", "shared_expert", "moe_forward"]
 
 _KERNELS = Path(__file__).resolve().parent / "kernels"
@@ -160,6 +161,7 @@ class MoEWeights:
     router_weight: Optional[torch.Tensor] = None    # fp32 [E, D]
     router_bias: Optional[torch.Tensor] = None      # fp32 [E] (e_score_correction_bias)
     shared: Optional[tuple] = None                  # bf16 (gate [Fs, D], up [Fs, D], down [D, Fs])
+    chunk_major: bool = False         # words/scales stored [L, C, R, ...] (see `to_chunk_major`) instead of [L, R, C, ...]
 
     @property
     def local_experts(self) -> int:
@@ -198,6 +200,16 @@ def pack_experts(experts: Sequence, hidden: int, intermediate: int, group_size: 
     g2l[ids] = torch.arange(len(ids), dtype=torch.int32)
     return MoEWeights(**out, hidden=hidden, intermediate=intermediate, group_size=group_size,
                       global_to_local=g2l.to(device), **extra)
+
+
+def to_chunk_major(weights: MoEWeights) -> MoEWeights:
+    """The same weights with each expert's tiles interleaved by k chunk: words [L, C, R, 32, 4], scales
+    [L, C, R, 8, 2, 2]. Warps working on neighbouring tiles of one expert then read neighbouring 512-byte chunks
+    at the same time instead of each streaming its own contiguous tile."""
+    if weights.chunk_major:
+        return weights
+    return dataclasses.replace(weights, chunk_major=True,
+                               **{k: getattr(weights, k).transpose(1, 2).contiguous() for k in ("w13", "s13", "w2", "s2")})
 
 
 def load_moe_weights(moe, cfg, experts: Optional[Sequence[int]] = None, device="cuda",
@@ -379,18 +391,19 @@ def _resident_blocks(name: str, device_index: int, smem: int = 0) -> int:
 
 
 def _run_gemm(epi: int, act: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, g: Grouping, out: torch.Tensor,
-              n_experts: int, variant):
+              n_experts: int, variant, chunk_major: bool):
     variant = tuple(variant) if variant is not None else pick_variant(g.tokens, g.top_k, n_experts)
     if variant not in GEMM_VARIANTS:
         raise ValueError(f"moe gemm: variant {variant} not compiled; choose from {GEMM_VARIANTS}")
     name, smem = _gemm_name(variant, epi), _smem_bytes(variant)
-    r, c = wq.shape[1], wq.shape[2]
+    c, r = wq.shape[1:3] if chunk_major else wq.shape[2:0:-1]
+    ts, cs = (1, r) if chunk_major else (c, 1)             # chunk (e, r, c) at e*R*C + r*ts + c*cs
     a = g.active.shape[1]
     grid = max(1, min(_resident_blocks(name, act.device.index, smem), -(-a * r // _WARPS)))
     _launch(name, act.device, (grid,), (32 * _WARPS,),
             (_p(wq), _p(ws), _p(act), np.int32(act.shape[1]), _p(g.token_of_pos if epi == 0 else None),
-             _p(g.active), np.int32(a), _p(g.n_active), _p(out), np.int32(out.shape[1]), np.int32(r), np.int32(c)),
-            smem)
+             _p(g.active), np.int32(a), _p(g.n_active), _p(out), np.int32(out.shape[1]), np.int32(r), np.int32(c),
+             np.int32(ts), np.int32(cs)), smem)
 
 
 def gate_up(x: torch.Tensor, weights: MoEWeights, grouping: Grouping, variant=None) -> torch.Tensor:
@@ -400,14 +413,14 @@ def gate_up(x: torch.Tensor, weights: MoEWeights, grouping: Grouping, variant=No
     f, fp = weights.intermediate, _pad64(weights.intermediate)
     p = grouping.tokens * grouping.top_k
     h = (torch.empty if fp == f else torch.zeros)(p, fp, dtype=torch.bfloat16, device=x.device)
-    _run_gemm(0, xp, weights.w13, weights.s13, grouping, h, weights.n_experts, variant)
+    _run_gemm(0, xp, weights.w13, weights.s13, grouping, h, weights.n_experts, variant, weights.chunk_major)
     return h
 
 
 def down(h: torch.Tensor, weights: MoEWeights, grouping: Grouping, variant=None) -> torch.Tensor:
     """y [P, D] fp32 = h W_down^T per sorted pair."""
     y = torch.empty(h.shape[0], weights.hidden, dtype=torch.float32, device=h.device)
-    _run_gemm(1, h, weights.w2, weights.s2, grouping, y, weights.n_experts, variant)
+    _run_gemm(1, h, weights.w2, weights.s2, grouping, y, weights.n_experts, variant, weights.chunk_major)
     return y
 
 

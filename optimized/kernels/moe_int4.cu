@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(256, (NT == 1 && U <= 2) ? 3 : 2) moe_int4_gem
     int max_active,
     const int* __restrict__ n_active,    // [1]
     void* __restrict__ out, int ld_out,  // EPI 0: bf16 h [P, ld_out]; EPI 1: fp32 y [P, ld_out]
-    int R, int C) {
+    int R, int C, int TS, int CS) {      // chunk (e, r, c) at e*R*C + r*TS + c*CS (layout: see moe.py)
   static_assert(U % XB == 0, "XB must divide U");
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -151,9 +151,10 @@ __global__ void __launch_bounds__(256, (NT == 1 && U <= 2) ? 3 : 2) moe_int4_gem
   for (int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); item < n_items; item += warps) {
     const int a = item / R, r = item - a * R;
     const int e = active[a], base = active[max_active + a], cnt = active[2 * max_active + a];
-    const size_t tile = (size_t)e * R + r;
-    const uint4* wt = wq + tile * C * 32 + lane;
-    const u32* st = ws + tile * C * 16 + (g * 2 + (t >> 1));
+    const size_t tile = (size_t)e * R * C + (size_t)r * TS;
+    const uint4* wt = wq + tile * 32 + lane;
+    const u32* st = ws + tile * 16 + (g * 2 + (t >> 1));
+    const size_t cw32 = (size_t)CS * 32, cs16 = (size_t)CS * 16;
     for (int n0 = 0; n0 < cnt; n0 += NT * 8) {
       const u16* xrow[NT];
 #pragma unroll
@@ -175,7 +176,7 @@ __global__ void __launch_bounds__(256, (NT == 1 && U <= 2) ? 3 : 2) moe_int4_gem
       u32 cs[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        if (u < C) { cw[u] = ld_stream(wt + (size_t)u * 32); cs[u] = ld_stream32(st + (size_t)u * 16); }
+        if (u < C) { cw[u] = ld_stream(wt + u * cw32); cs[u] = ld_stream32(st + u * cs16); }
         else { cw[u] = make_uint4(0u, 0u, 0u, 0u); cs[u] = 0u; }
       }
       for (int c0 = 0; c0 < C; c0 += U) {
@@ -184,7 +185,7 @@ __global__ void __launch_bounds__(256, (NT == 1 && U <= 2) ? 3 : 2) moe_int4_gem
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int c = c0 + U + u;
-          if (c < C) { nw[u] = ld_stream(wt + (size_t)c * 32); ns[u] = ld_stream32(st + (size_t)c * 16); }
+          if (c < C) { nw[u] = ld_stream(wt + c * cw32); ns[u] = ld_stream32(st + c * cs16); }
           else { nw[u] = make_uint4(0u, 0u, 0u, 0u); ns[u] = 0u; }
         }
 #pragma unroll
@@ -242,10 +243,11 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
 struct Cursor {
   int item, pass, stage, passes, base, cnt, r;
   size_t tile;
+  int C, TS;
   __device__ __forceinline__ void load(int R, const int* active, int max_active) {
     const int a = item / R;
     r = item - a * R;
-    tile = (size_t)active[a] * R + r;
+    tile = (size_t)active[a] * R * C + (size_t)r * TS;
     base = active[max_active + a];
     cnt = active[2 * max_active + a];
     passes = (cnt + 7) >> 3;
@@ -264,7 +266,7 @@ template <int S, int U, int XB, int EPI>
 __global__ void __launch_bounds__(256) moe_int4_gemm_cp(
     const uint4* __restrict__ wq, const u32* __restrict__ ws, const u16* __restrict__ act, int ld_act,
     const int* __restrict__ row_of_pos, const int* __restrict__ active, int max_active,
-    const int* __restrict__ n_active, void* __restrict__ out, int ld_out, int R, int C) {
+    const int* __restrict__ n_active, void* __restrict__ out, int ld_out, int R, int C, int TS, int CS) {
   static_assert(U % XB == 0 && S >= 2, "XB must divide U; at least two stages");
   extern __shared__ uint4 ring_all[];
   constexpr int CH = 36;                              // uint4 per chunk: 32 words + 4 (64 B of scales)
@@ -277,7 +279,7 @@ __global__ void __launch_bounds__(256) moe_int4_gemm_cp(
   const int first = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (first >= n_items) return;
 
-  Cursor in{first, 0, 0, 0, 0, 0, 0, 0}, cur{first, 0, 0, 0, 0, 0, 0, 0};
+  Cursor in{first, 0, 0, 0, 0, 0, 0, 0, C, TS}, cur{first, 0, 0, 0, 0, 0, 0, 0, C, TS};
   in.load(R, active, max_active);
   cur.load(R, active, max_active);
   int in_slot = 0, cur_slot = 0;
@@ -289,8 +291,9 @@ __global__ void __launch_bounds__(256) moe_int4_gemm_cp(
       for (int u = 0; u < U; ++u) {
         const int c = in.stage * U + u;
         if (c < C) {
-          cp_async16(dst + u * CH + lane, wq + (in.tile * C + c) * 32 + lane);
-          if (lane < 4) cp_async16(dst + u * CH + 32 + lane, ws + (in.tile * C + c) * 16 + 4 * lane);
+          const size_t k = in.tile + (size_t)c * CS;
+          cp_async16(dst + u * CH + lane, wq + k * 32 + lane);
+          if (lane < 4) cp_async16(dst + u * CH + 32 + lane, ws + k * 16 + 4 * lane);
         }
       }
       in.next(stages, warps, n_items, R, active, max_active);
@@ -381,7 +384,8 @@ __global__ void __launch_bounds__(256) moe_combine(
 }
 
 #ifdef MOE_NVCC_CHECK   // nvcc -cubin syntax/resource check of the variants optimized/moe.py instantiates
-#define ARGS (const uint4*, const u32*, const u16*, int, const int*, const int*, int, const int*, void*, int, int, int);
+#define ARGS (const uint4*, const u32*, const u16*, int, const int*, const int*, int, const int*, void*, int, int, int, \
+    int, int);
 #define GEMM(NT, U, XB, EPI) template __global__ void moe_int4_gemm<NT, U, XB, EPI> ARGS
 #define GEMM_CP(S, U, XB, EPI) template __global__ void moe_int4_gemm_cp<S, U, XB, EPI> ARGS
 #define BOTH(NT, U, XB, S) VARIANT_##S(NT, U, XB)
