@@ -9,11 +9,11 @@ export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-dev} PYTHONDONTWRITEBYTECODE=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
 
-# SASS of the cp.async gate/up variant (S=4, U=4, XB=4): HMMA present, 128-bit weight loads, no local memory.
+# SASS of the default gate/up variant (1,4,4): HMMA present, 128-bit weight loads, no local memory.
 if nvcc -arch=sm_90 -cubin -DMOE_NVCC_CHECK -o /tmp/moe_int4.cubin optimized/kernels/moe_int4.cu; then
   cuobjdump -sass /tmp/moe_int4.cubin > "$OUT/sass.txt" 2>&1
-  awk '/Function : _Z16moe_int4_gemm_cpILi4ELi4ELi4ELi0E/{f=1;next} /Function :/{f=0} f' "$OUT/sass.txt" \
-    | grep -oE '\b(HMMA[.0-9A-Z]*|LDG[.0-9A-Z_]*|LDGSTS[.0-9A-Z_]*|LDS[.0-9A-Z_]*|LOP3[.A-Z]*|HADD2[.A-Z0-9_]*|HMUL2[.A-Z0-9_]*|HFMA2[.A-Z0-9_]*|LDL|STL|PRMT)\b' \
+  awk '/Function : _Z13moe_int4_gemmILi1ELi4ELi4ELi0E/{f=1;next} /Function :/{f=0} f' "$OUT/sass.txt" \
+    | grep -oE '\b(HMMA[.0-9A-Z]*|LDG[.0-9A-Z_]*|LOP3[.A-Z]*|HADD2[.A-Z0-9_]*|HMUL2[.A-Z0-9_]*|HFMA2[.A-Z0-9_]*|LDL|STL|PRMT)\b' \
     | sort | uniq -c | tr '\n' ';'
   echo
 fi

@@ -178,16 +178,13 @@ def markdown(res) -> str:
         lines += ["Stages alone (µs): " + "; ".join(
             f"T={t}: " + ", ".join(f"{k[:-3]} {v:.0f}" for k, v in s.items()) for t, s in res["stages"].items()), ""]
     if res.get("variants"):
-        key = lambda v: (v.get("layout", "tile"), *v["variant"])          # noqa: E731
-        names = sorted({key(v) for v in res["variants"]})
+        names = sorted({tuple(v["variant"]) for v in res["variants"]})
         ts = sorted({v["tokens"] for v in res["variants"]})
-        us = {(v["tokens"], key(v)): v["us"] for v in res["variants"]}
-        default = "chunk" if res.get("chunk_major") else "tile"
-        lines += ["Kernel variants (layout, NT, U, XB, S): routed µs, same run (default marked *); layout `tile` = "
-                  "each tile's k chunks contiguous, `chunk` = tiles interleaved by k chunk", "",
-                  "| T | " + " | ".join(n[0] + " " + str(n[1:]) for n in names) + " |", "|---" * (len(names) + 1) + "|"]
+        us = {(v["tokens"], tuple(v["variant"])): v["us"] for v in res["variants"]}
+        lines += ["Kernel variants (NT, U, XB): routed µs, same run (default marked *)", "",
+                  "| T | " + " | ".join(str(n) for n in names) + " |", "|---" * (len(names) + 1) + "|"]
         for t in ts:
-            best = (default, *moe_k.pick_variant(t, 8, 384))
+            best = moe_k.pick_variant(t, 8, 384)
             lines.append(f"| {t} | " + " | ".join(
                 ("%.0f" % us[t, n] if (t, n) in us else "-") + ("*" if n == best else "") for n in names) + " |")
         lines.append("")
@@ -219,7 +216,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
-    ap.add_argument("--variants", action="store_true", help="also time every compiled (NT, U, XB, S) variant")
+    ap.add_argument("--variants", action="store_true", help="also time every compiled (NT, U) variant")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
@@ -228,7 +225,6 @@ def main(argv=None):
     torch.cuda.synchronize()
     print(f"layer built in {time.time() - t0:.0f} s; {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
     res["copy_tbps"] = copy_bandwidth() / 1e12
-    res["chunk_major"] = layer["weights"].chunk_major
     grouped = pick_grouped(layer)
     for t in args.tokens:
         try:
@@ -242,16 +238,13 @@ def main(argv=None):
         except Exception:                                    # noqa: BLE001
             traceback.print_exc()
     if args.variants:
-        layouts = {"tile": layer["weights"], "chunk": moe_k.to_chunk_major(layer["weights"])}
         for t in args.tokens:
-            for name, wl in layouts.items():
-                for v in moe_k.GEMM_VARIANTS:
-                    try:
-                        r = routed_bandwidth(layer, t, weights=wl, variant=v)
-                        res["variants"].append({"tokens": t, "variant": list(v), "layout": name, **r})
-                    except Exception:                        # noqa: BLE001
-                        traceback.print_exc()
-        del layouts
+            for v in moe_k.GEMM_VARIANTS:
+                try:
+                    r = routed_bandwidth(layer, t, variant=v)
+                    res["variants"].append({"tokens": t, "variant": list(v), **r})
+                except Exception:                            # noqa: BLE001
+                    traceback.print_exc()
     with open(os.path.join(args.out, "moe_int4.json"), "w") as f:
         json.dump(res, f, indent=1)
     md = markdown(res)

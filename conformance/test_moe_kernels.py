@@ -242,7 +242,7 @@ def test_nvcc_builds(arch, src, tmp_path):
     text = open(os.path.join(KERNELS, src)).read()
     if src == "moe_int4.cu":
         for v in moe_k.GEMM_VARIANTS:
-            assert "BOTH(%d, %d, %d, %d)" % v in text, f"MOE_NVCC_CHECK list misses variant {v}"
+            assert "BOTH(%d, %d, %d)" % v in text, f"MOE_NVCC_CHECK list misses variant {v}"
     res = subprocess.run(["nvcc", f"-arch={arch}", "-cubin", "-DMOE_NVCC_CHECK", "-Xptxas", "-v", "-o",
                           str(tmp_path / "k.cubin"), os.path.join(KERNELS, src)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -250,7 +250,7 @@ def test_nvcc_builds(arch, src, tmp_path):
     assert spills and all(s == "0" for s in spills), f"register spills in {src} for {arch}:\n{res.stderr[-3000:]}"
     if src == "moe_route.cu":                    # fetched by plain name: must not be C++-mangled
         cubin = (tmp_path / "k.cubin").read_bytes()
-        for name in (b"moe_route", b"moe_group"):
+        for name in (b"moe_route", b"moe_group", b"moe_group_small"):
             assert b"\x00" + name + b"\x00" in cubin, f"{name.decode()} is not an extern \"C\" symbol"
 
 
@@ -284,9 +284,14 @@ def test_route_exact(experts, top_k, n_group, topk_group):
 @pytest.mark.gpu
 @given(tokens=st.integers(1, 700), experts=st.integers(1, 40), top_k=st.integers(1, 8), held=st.integers(0, 2),
        seed=st.integers(0, 2**31 - 1))
+@example(tokens=1, experts=40, top_k=8, held=0, seed=1)      # the one-warp kernel (<= 32 pairs): T = 1, K = 8
+@example(tokens=4, experts=40, top_k=8, held=2, seed=2)      # 32 pairs, a third of the experts held
+@example(tokens=3, experts=5, top_k=5, held=1, seed=3)       # every token on every expert
+@example(tokens=5, experts=40, top_k=7, held=0, seed=4)      # 35 pairs: the block kernel
 @settings(max_examples=20, deadline=None)
 def test_group_tokens_exact(tokens, experts, top_k, held, seed):
-    """Each held expert's pairs sit contiguously at its offset; pos_of_pair / token_of_pos invert each other."""
+    """Each held expert's pairs sit contiguously at its offset; pos_of_pair / token_of_pos invert each other
+    (both kernels: one warp up to 32 pairs, one block above)."""
     top_k = min(top_k, experts)
     g = torch.Generator().manual_seed(seed)
     idx = torch.rand(tokens, experts, generator=g).argsort(-1)[:, :top_k]       # distinct ids per token
@@ -344,29 +349,27 @@ def test_stages_vs_dequantized_gemm(hidden, inter, group, variant):
 
 @pytest.mark.gpu
 def test_variants_bit_identical():
-    """Every variant, in either weight layout, issues the same mma sequence per output element; they differ only
-    in where the weights lie and how they arrive (register stage or cp.async ring) and how many token columns a
-    pass holds, so h and y are bitwise equal.
-    The shape makes warps stream several items (4096 tiles per GEMM > the resident warps), several 8-token
-    passes per item (~25 tokens per expert) and a last stage of fewer than U chunks (C = 5 and 3)."""
-    layer = k26_random_layer("cuda", n_experts=64, hidden=320, inter=160, seed=3)
-    big = k26_random_layer("cuda", n_experts=64, hidden=1024, inter=512, seed=4)
-    for lay, tokens in ((layer, 200), (big, 200)):
-        w, cfg = lay["weights"], lay["cfg"]
-        gen = torch.Generator(device="cuda").manual_seed(tokens)
-        x = torch.randn(tokens, cfg.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
+    """Every variant issues the same mma sequence per output element; they differ only in how many chunks are in
+    flight and how many token columns a pass holds, so h and y are bitwise equal. The shapes make warps walk
+    several items (4096 tiles per GEMM at hidden 1024), several 8-token passes per item (~25 tokens per expert)
+    and a last stage of fewer than U chunks (C = 5 and 3 at hidden 320)."""
+    for hidden, inter in ((320, 160), (1024, 512)):
+        layer = k26_random_layer("cuda", n_experts=64, hidden=hidden, inter=inter, seed=hidden)
+        w, cfg = layer["weights"], layer["cfg"]
+        gen = torch.Generator(device="cuda").manual_seed(hidden)
+        x = torch.randn(200, hidden, generator=gen, device="cuda").to(torch.bfloat16)
         idx, _ = moe_k.router(x, w, cfg)
         gr = moe_k.group_tokens(idx, w)
+        n = 200 * cfg.num_experts_per_tok
         first = None
-        for wl, v in [(wl, v) for wl in (w, moe_k.to_chunk_major(w)) for v in moe_k.GEMM_VARIANTS]:
-            h = moe_k.gate_up(x, wl, gr, v)
-            y = moe_k.down(h, wl, gr, v)
-            n, what = tokens * cfg.num_experts_per_tok, (v, "chunk-major" if wl.chunk_major else "tile-major")
+        for v in moe_k.GEMM_VARIANTS:
+            h = moe_k.gate_up(x, w, gr, v)
+            y = moe_k.down(h, w, gr, v)
             if first is None:
-                first = (what, h[:n].clone(), y[:n].clone())
+                first = (v, h[:n].clone(), y[:n].clone())
                 continue
-            assert torch.equal(h[:n], first[1]), f"gate_up {what} != {first[0]} (hidden {cfg.hidden_size})"
-            assert torch.equal(y[:n], first[2]), f"down {what} != {first[0]} (hidden {cfg.hidden_size})"
+            assert torch.equal(h[:n], first[1]), f"gate_up {v} != {first[0]} (hidden {hidden})"
+            assert torch.equal(y[:n], first[2]), f"down {v} != {first[0]} (hidden {hidden})"
 
 
 def check_moe_forward(cfg, seed, tokens):
@@ -505,11 +508,10 @@ def random_routes(layer, tokens, reps, seed=0):
     return [(x, *moe_k.router(x, w, cfg)) for x in xs]
 
 
-def routed_bandwidth(layer, tokens, reps=20, weights=None, **variant) -> dict:
+def routed_bandwidth(layer, tokens, reps=20, **variant) -> dict:
     """Our routed experts (group + gate_up + down + combine) on fresh routings: median time, distinct experts
-    and achieved bandwidth = distinct-expert bytes / time (median over calls). weights: another layout of the
-    layer's weights (default the layer's own)."""
-    w, cfg = weights or layer["weights"], layer["cfg"]
+    and achieved bandwidth = distinct-expert bytes / time (median over calls)."""
+    w, cfg = layer["weights"], layer["cfg"]
     routes = random_routes(layer, tokens, reps)
     distinct = [int(idx.unique().numel()) for _, idx, _ in routes]
     fns = [(lambda x=x, i=i, wt=wt: moe_k.moe_routed(x, i, wt, w, **variant)) for x, i, wt in routes]

@@ -7,7 +7,7 @@ Dp / Fp = D / F rounded up to 64, R = rows / 16 (weight tiles), C = Dp / 64 or F
 
 Stages (each a function below; no host synchronisation anywhere, so the whole layer can be graph-captured):
   router        logits = x.float() @ W_r.float().T (cuBLAS fp32, as the reference), then `route` (kernel)
-  group_tokens  pairs sorted by expert + the active-expert table (moe_group)
+  group_tokens  pairs sorted by expert + the active-expert table (moe_group; one warp for <= 32 pairs)
   gate_up       fused dequant GEMM of gate and up with SwiGLU -> h [P, Fp] bf16 (moe_int4_gemm EPI 0)
   down          dequant GEMM -> y [P, D] fp32 (moe_int4_gemm EPI 1)
   combine       out[t] = sum_k w[t,k] y[pos(t,k)] (+ shared expert), fp32 sums (moe_combine)
@@ -33,7 +33,6 @@ copy) on torch's current stream; building CuPy views per call would cost microse
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -48,17 +47,14 @@ from reference.int4 import pack_int4
 
 from .cuda_launch import launch, ptr as _p
 
-__all__ = ["MoEWeights", "Grouping", "compile_target", "repack", "unrepack", "pack_experts", "load_moe_weights", "to_chunk_major", "route", "router",
+__all__ = ["MoEWeights", "Grouping", "compile_target", "repack", "unrepack", "pack_experts", "load_moe_weights", "route", "router",
            "group_tokens", "pick_variant", "gate_up", "down", "combine", "moe_routed", "shared_expert", "moe_forward"]
 
 _KERNELS = Path(__file__).resolve().parent / "kernels"
-# (NT n-tiles of 8 tokens per pass, U chunks per stage, XB chunks per activation batch, S shared-memory stages):
-# the instantiations compiled (each also in the .cu's MOE_NVCC_CHECK list). S = 0: moe_int4_gemm, the next stage
-# held in registers; S > 0 (NT = 1 only): moe_int4_gemm_cp, a cp.async ring of S stages per warp. (1, 4, 4, 0) was
-# the fastest register variant on the H200 at every T from 1 to 256 (bench/results/moe_int4.md); NT=4 serves
-# experts with > 32 tokens.
-GEMM_VARIANTS = ((1, 4, 4, 0), (1, 4, 1, 0), (1, 2, 2, 0), (4, 1, 1, 0), (1, 4, 4, 4), (1, 4, 2, 3), (1, 2, 2, 8))
-_CHUNK_SMEM = 576        # bytes of one chunk in a cp.async ring: 32 lanes x 16 B of words + 64 B of scales
+# (NT n-tiles of 8 tokens per pass, U chunks per register stage, XB chunks per activation batch): the
+# instantiations compiled (each also in the .cu's MOE_NVCC_CHECK list). (1, 4, 4) was the fastest on the H200 at
+# every T from 1 to 256 (bench/results/moe_int4.md); NT=4 serves experts with > 32 tokens.
+GEMM_VARIANTS = ((1, 4, 4), (1, 4, 1), (1, 2, 2), (4, 1, 1))
 _WARPS = 8
 
 
@@ -161,7 +157,6 @@ class MoEWeights:
     router_weight: Optional[torch.Tensor] = None    # fp32 [E, D]
     router_bias: Optional[torch.Tensor] = None      # fp32 [E] (e_score_correction_bias)
     shared: Optional[tuple] = None                  # bf16 (gate [Fs, D], up [Fs, D], down [D, Fs])
-    chunk_major: bool = False         # words/scales stored [L, C, R, ...] (see `to_chunk_major`) instead of [L, R, C, ...]
 
     @property
     def local_experts(self) -> int:
@@ -202,16 +197,6 @@ def pack_experts(experts: Sequence, hidden: int, intermediate: int, group_size: 
                       global_to_local=g2l.to(device), **extra)
 
 
-def to_chunk_major(weights: MoEWeights) -> MoEWeights:
-    """The same weights with each expert's tiles interleaved by k chunk: words [L, C, R, 32, 4], scales
-    [L, C, R, 8, 2, 2]. Warps working on neighbouring tiles of one expert then read neighbouring 512-byte chunks
-    at the same time instead of each streaming its own contiguous tile."""
-    if weights.chunk_major:
-        return weights
-    return dataclasses.replace(weights, chunk_major=True,
-                               **{k: getattr(weights, k).transpose(1, 2).contiguous() for k in ("w13", "s13", "w2", "s2")})
-
-
 def load_moe_weights(moe, cfg, experts: Optional[Sequence[int]] = None, device="cuda",
                      with_shared: bool = True) -> MoEWeights:
     """From a reference `MoE` module: the routed experts `experts` (default all; a rank's share for expert
@@ -240,8 +225,7 @@ def load_moe_weights(moe, cfg, experts: Optional[Sequence[int]] = None, device="
 
 @functools.lru_cache(maxsize=None)
 def _kernels(device_index: int):
-    """Compile (once per device; CuPy caches the cubin on disk) and return (functions, SM count, warps/SM,
-    (shared memory per block opt-in, per SM)); the cp.async variants get their dynamic shared-memory limit raised."""
+    """Compile (once per device; CuPy caches the cubin on disk) and return (functions, SM count, warps/SM)."""
     try:
         import cupy
     except ImportError as e:
@@ -256,16 +240,9 @@ def _kernels(device_index: int):
                             name_expressions=gemm + comb)
         m2 = cupy.RawModule(code=(_KERNELS / "moe_route.cu").read_text(), options=options)
         fns = {n: m1.get_function(n) for n in gemm + comb}
-        optin = int(cupy.cuda.Device(device_index).attributes["MaxSharedMemoryPerBlockOptin"])
-        for v in GEMM_VARIANTS:
-            if _smem_bytes(v) > 48 * 1024:           # the default dynamic limit; raise it where the device can
-                for epi in (0, 1):
-                    if _smem_bytes(v) <= optin:
-                        fns[_gemm_name(v, epi)].max_dynamic_shared_size_bytes = _smem_bytes(v)
-        fns.update({n: m2.get_function(n) for n in ("moe_route", "moe_group")})
+        fns.update({n: m2.get_function(n) for n in ("moe_route", "moe_group", "moe_group_small")})
     props = torch.cuda.get_device_properties(device_index)
-    smem_sm = int(cupy.cuda.Device(device_index).attributes["MaxSharedMemoryPerMultiprocessor"])
-    return fns, props.multi_processor_count, props.max_threads_per_multi_processor // 32, (optin, smem_sm)
+    return fns, props.multi_processor_count, props.max_threads_per_multi_processor // 32
 
 
 def compile_target(device_index: int = 0) -> str:
@@ -349,6 +326,12 @@ def group_tokens(idx: torch.Tensor, weights: MoEWeights) -> Grouping:
         raise ValueError(f"group_tokens: {L} local experts > 4096 (shared-memory table)")
     buf = torch.empty(2 * p + 3 * a + 1, dtype=torch.int32, device=idx.device)
     g = Grouping(buf[:p], buf[p:2 * p], buf[2 * p:2 * p + 3 * a].view(3, a), buf[2 * p + 3 * a:], t, k)
+    if p <= 32:                                   # one warp, no shared table (T <= 4 at K = 8)
+        _launch("moe_group_small", idx.device, (1,), (32,),
+                (_p(idx.contiguous()), np.int32(p), np.int32(k), _p(weights.global_to_local),
+                 np.int32(weights.n_experts), _p(g.pos_of_pair), _p(g.token_of_pos), _p(g.active), np.int32(a),
+                 _p(g.n_active)))
+        return g
     _launch("moe_group", idx.device, (1,), (1024,),
             (_p(idx.contiguous()), np.int32(p), np.int32(k), _p(weights.global_to_local), np.int32(weights.n_experts),
              np.int32(L), _p(g.pos_of_pair), _p(g.token_of_pos), _p(g.active), np.int32(a), _p(g.n_active)),
@@ -357,53 +340,39 @@ def group_tokens(idx: torch.Tensor, weights: MoEWeights) -> Grouping:
 
 
 def _gemm_name(variant, epi: int) -> str:
-    nt, u, xb, stages = variant
-    return f"moe_int4_gemm_cp<{stages},{u},{xb},{epi}>" if stages else f"moe_int4_gemm<{nt},{u},{xb},{epi}>"
-
-
-def _smem_bytes(variant) -> int:
-    """Dynamic shared memory of a launch: the cp.async rings of the block's warps (0 for register variants)."""
-    return _WARPS * variant[3] * variant[1] * _CHUNK_SMEM
+    return "moe_int4_gemm<%d,%d,%d,%d>" % (*variant, epi)
 
 
 def pick_variant(tokens: int, top_k: int, n_experts: int):
     """(NT, U, XB) for a call. NT=1 (8-token passes) with activations batched 4 chunks deep measured fastest at
-    every T from 1 to 256 under near-uniform routing among the register variants (H200,
-    bench/results/moe_int4.md): with 1-15 tokens per expert the weight stream, not the tokens, is the cost. Only when the likely largest expert (mean + 3 sigma
+    every T from 1 to 256 under near-uniform routing (H200, bench/results/moe_int4.md): with 1-15 tokens per
+    expert the weight stream, not the tokens, is the cost. Only when the likely largest expert (mean + 3 sigma
     of uniform routing, at most T) needs more than 4 passes do wider n-tiles take over (not yet timed)."""
     m = tokens * top_k / max(1, n_experts)
     need = min(tokens, m + 3 * math.sqrt(m) + 1)
-    return (1, 4, 4, 0) if need <= 32 else (4, 1, 1, 0)
+    return (1, 4, 4) if need <= 32 else (4, 1, 1)
 
 
 @functools.lru_cache(maxsize=None)
-def _resident_blocks(name: str, device_index: int, smem: int = 0) -> int:
+def _resident_blocks(name: str, device_index: int) -> int:
     """Blocks of 8 warps that fit on the whole GPU at once (registers are the limit): the persistent grid."""
-    fns, n_sm, warps_per_sm, (optin, smem_sm) = _kernels(device_index)
+    fns, n_sm, warps_per_sm = _kernels(device_index)
     per_warp = -(-fns[name].num_regs * 32 // 256) * 256
-    blocks = min(warps_per_sm, 65536 // per_warp) // _WARPS
-    if smem:
-        if smem > optin:
-            raise ValueError(f"moe gemm {name}: needs {smem} B of shared memory per block, the device allows "
-                             f"{optin}; choose a variant with fewer stages (S) or chunks per stage (U)")
-        blocks = min(blocks, smem_sm // (smem + 1024))            # 1 KB per block reserved by the driver
-    return n_sm * max(1, blocks)
+    return n_sm * max(1, min(warps_per_sm, 65536 // per_warp) // _WARPS)
 
 
 def _run_gemm(epi: int, act: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, g: Grouping, out: torch.Tensor,
-              n_experts: int, variant, chunk_major: bool):
+              n_experts: int, variant):
     variant = tuple(variant) if variant is not None else pick_variant(g.tokens, g.top_k, n_experts)
     if variant not in GEMM_VARIANTS:
         raise ValueError(f"moe gemm: variant {variant} not compiled; choose from {GEMM_VARIANTS}")
-    name, smem = _gemm_name(variant, epi), _smem_bytes(variant)
-    c, r = wq.shape[1:3] if chunk_major else wq.shape[2:0:-1]
-    ts, cs = (1, r) if chunk_major else (c, 1)             # chunk (e, r, c) at e*R*C + r*ts + c*cs
+    name = _gemm_name(variant, epi)
+    r, c = wq.shape[1], wq.shape[2]
     a = g.active.shape[1]
-    grid = max(1, min(_resident_blocks(name, act.device.index, smem), -(-a * r // _WARPS)))
+    grid = max(1, min(_resident_blocks(name, act.device.index), -(-a * r // _WARPS)))
     _launch(name, act.device, (grid,), (32 * _WARPS,),
             (_p(wq), _p(ws), _p(act), np.int32(act.shape[1]), _p(g.token_of_pos if epi == 0 else None),
-             _p(g.active), np.int32(a), _p(g.n_active), _p(out), np.int32(out.shape[1]), np.int32(r), np.int32(c),
-             np.int32(ts), np.int32(cs)), smem)
+             _p(g.active), np.int32(a), _p(g.n_active), _p(out), np.int32(out.shape[1]), np.int32(r), np.int32(c)))
 
 
 def gate_up(x: torch.Tensor, weights: MoEWeights, grouping: Grouping, variant=None) -> torch.Tensor:
@@ -413,14 +382,14 @@ def gate_up(x: torch.Tensor, weights: MoEWeights, grouping: Grouping, variant=No
     f, fp = weights.intermediate, _pad64(weights.intermediate)
     p = grouping.tokens * grouping.top_k
     h = (torch.empty if fp == f else torch.zeros)(p, fp, dtype=torch.bfloat16, device=x.device)
-    _run_gemm(0, xp, weights.w13, weights.s13, grouping, h, weights.n_experts, variant, weights.chunk_major)
+    _run_gemm(0, xp, weights.w13, weights.s13, grouping, h, weights.n_experts, variant)
     return h
 
 
 def down(h: torch.Tensor, weights: MoEWeights, grouping: Grouping, variant=None) -> torch.Tensor:
     """y [P, D] fp32 = h W_down^T per sorted pair."""
     y = torch.empty(h.shape[0], weights.hidden, dtype=torch.float32, device=h.device)
-    _run_gemm(1, h, weights.w2, weights.s2, grouping, y, weights.n_experts, variant, weights.chunk_major)
+    _run_gemm(1, h, weights.w2, weights.s2, grouping, y, weights.n_experts, variant)
     return y
 
 

@@ -1,8 +1,6 @@
 // INT4 (W4A16) grouped expert GEMMs for Kimi K2.6-class MoE layers, tensor cores through mma.sync.
 //
 // Kernels
-//   moe_int4_gemm_cp<S, U, XB, EPI>  the same GEMM (NT = 1) with the weights streamed through a shared-memory
-//       ring of S stages (cp.async); see its comment further down.
 //   moe_int4_gemm<NT, U, XB, EPI>  one warp = one work item = (active expert, 16-row weight tile), full K.
 //       EPI 0 (gate+up): the tile holds 8 gate rows and the 8 up rows of the same intermediate channels, so
 //             SwiGLU happens in registers: h[pos, 8*tile + g] = bf16(silu(gate) * up).
@@ -142,7 +140,7 @@ __global__ void __launch_bounds__(256, (NT == 1 && U <= 2) ? 3 : 2) moe_int4_gem
     int max_active,
     const int* __restrict__ n_active,    // [1]
     void* __restrict__ out, int ld_out,  // EPI 0: bf16 h [P, ld_out]; EPI 1: fp32 y [P, ld_out]
-    int R, int C, int TS, int CS) {      // chunk (e, r, c) at e*R*C + r*TS + c*CS (layout: see moe.py)
+    int R, int C) {
   static_assert(U % XB == 0, "XB must divide U");
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -151,10 +149,9 @@ __global__ void __launch_bounds__(256, (NT == 1 && U <= 2) ? 3 : 2) moe_int4_gem
   for (int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); item < n_items; item += warps) {
     const int a = item / R, r = item - a * R;
     const int e = active[a], base = active[max_active + a], cnt = active[2 * max_active + a];
-    const size_t tile = (size_t)e * R * C + (size_t)r * TS;
-    const uint4* wt = wq + tile * 32 + lane;
-    const u32* st = ws + tile * 16 + (g * 2 + (t >> 1));
-    const size_t cw32 = (size_t)CS * 32, cs16 = (size_t)CS * 16;
+    const size_t tile = (size_t)e * R + r;
+    const uint4* wt = wq + tile * C * 32 + lane;
+    const u32* st = ws + tile * C * 16 + (g * 2 + (t >> 1));
     for (int n0 = 0; n0 < cnt; n0 += NT * 8) {
       const u16* xrow[NT];
 #pragma unroll
@@ -176,7 +173,7 @@ __global__ void __launch_bounds__(256, (NT == 1 && U <= 2) ? 3 : 2) moe_int4_gem
       u32 cs[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        if (u < C) { cw[u] = ld_stream(wt + u * cw32); cs[u] = ld_stream32(st + u * cs16); }
+        if (u < C) { cw[u] = ld_stream(wt + (size_t)u * 32); cs[u] = ld_stream32(st + (size_t)u * 16); }
         else { cw[u] = make_uint4(0u, 0u, 0u, 0u); cs[u] = 0u; }
       }
       for (int c0 = 0; c0 < C; c0 += U) {
@@ -185,7 +182,7 @@ __global__ void __launch_bounds__(256, (NT == 1 && U <= 2) ? 3 : 2) moe_int4_gem
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int c = c0 + U + u;
-          if (c < C) { nw[u] = ld_stream(wt + c * cw32); ns[u] = ld_stream32(st + c * cs16); }
+          if (c < C) { nw[u] = ld_stream(wt + (size_t)c * 32); ns[u] = ld_stream32(st + (size_t)c * 16); }
           else { nw[u] = make_uint4(0u, 0u, 0u, 0u); ns[u] = 0u; }
         }
 #pragma unroll
@@ -222,136 +219,6 @@ __global__ void __launch_bounds__(256, (NT == 1 && U <= 2) ? 3 : 2) moe_int4_gem
   }
 }
 
-// ---- the shared-memory pipelined variant (NT = 1) ----------------------------------------------------------------
-// The register pipeline above keeps one stage of U chunks in flight per warp (~2 KB): at T=1 (2048 gate/up items,
-// one per warp) that is ~4 MB in flight GPU-wide, under what HBM needs at its loaded latency. This variant streams
-// each warp's weights through a private ring of S stages in shared memory with cp.async (S-1 stages in flight,
-// no registers held for them) and runs the warp's whole sequence of (item, 8-token pass, stage) as one stream,
-// so the pipeline does not drain between items. The math (mma_chunk, accumulator split, epilogue) is the same
-// code as moe_int4_gemm<1, U, XB, EPI>: the outputs are bit-identical.
-// Shared memory per warp: S stages x U chunks x (32 lanes x 16 B words + 64 B scales) = S*U*576 B.
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-
-// A warp's position in its stream: item (active expert x 16-row tile), 8-token pass, stage of U chunks.
-struct Cursor {
-  int item, pass, stage, passes, base, cnt, r;
-  size_t tile;
-  int C, TS;
-  __device__ __forceinline__ void load(int R, const int* active, int max_active) {
-    const int a = item / R;
-    r = item - a * R;
-    tile = (size_t)active[a] * R * C + (size_t)r * TS;
-    base = active[max_active + a];
-    cnt = active[2 * max_active + a];
-    passes = (cnt + 7) >> 3;
-  }
-  __device__ __forceinline__ void next(int stages, int warps, int n_items, int R, const int* active, int max_active) {
-    if (++stage < stages) return;
-    stage = 0;
-    if (++pass < passes) return;
-    pass = 0;
-    item += warps;
-    if (item < n_items) load(R, active, max_active);
-  }
-};
-
-template <int S, int U, int XB, int EPI>
-__global__ void __launch_bounds__(256) moe_int4_gemm_cp(
-    const uint4* __restrict__ wq, const u32* __restrict__ ws, const u16* __restrict__ act, int ld_act,
-    const int* __restrict__ row_of_pos, const int* __restrict__ active, int max_active,
-    const int* __restrict__ n_active, void* __restrict__ out, int ld_out, int R, int C, int TS, int CS) {
-  static_assert(U % XB == 0 && S >= 2, "XB must divide U; at least two stages");
-  extern __shared__ uint4 ring_all[];
-  constexpr int CH = 36;                              // uint4 per chunk: 32 words + 4 (64 B of scales)
-  const int lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
-  uint4* ring = ring_all + (threadIdx.x >> 5) * (S * U * CH);
-  const int warps = gridDim.x * (blockDim.x >> 5);
-  const int n_items = n_active[0] * R;
-  const int stages = (C + U - 1) / U;                 // stages per pass
-  const int first = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (first >= n_items) return;
-
-  Cursor in{first, 0, 0, 0, 0, 0, 0, 0, C, TS}, cur{first, 0, 0, 0, 0, 0, 0, 0, C, TS};
-  in.load(R, active, max_active);
-  cur.load(R, active, max_active);
-  int in_slot = 0, cur_slot = 0;
-
-  auto issue = [&]() {                                // the next stage of the stream into its ring slot
-    if (in.item < n_items) {
-      uint4* dst = ring + in_slot * (U * CH);
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int c = in.stage * U + u;
-        if (c < C) {
-          const size_t k = in.tile + (size_t)c * CS;
-          cp_async16(dst + u * CH + lane, wq + k * 32 + lane);
-          if (lane < 4) cp_async16(dst + u * CH + 32 + lane, ws + k * 16 + 4 * lane);
-        }
-      }
-      in.next(stages, warps, n_items, R, active, max_active);
-    }
-    cp_commit();                                      // an empty group past the end keeps the count uniform
-    in_slot = in_slot + 1 == S ? 0 : in_slot + 1;
-  };
-
-#pragma unroll
-  for (int k = 0; k < S - 1; ++k) issue();
-
-  float acc[2][1][4];
-  const u16* xrow[1] = {nullptr};
-  while (cur.item < n_items) {
-    issue();                                          // into the slot consumed last iteration (synced below)
-    cp_wait<S - 1>();
-    __syncwarp();
-    if (cur.stage == 0) {
-      const int n = cur.pass * 8 + g;
-      xrow[0] = n < cur.cnt ? act + (size_t)(EPI == 0 ? row_of_pos[cur.base + n] : cur.base + n) * ld_act + 16 * t
-                            : nullptr;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) acc[h][0][0] = acc[h][0][1] = acc[h][0][2] = acc[h][0][3] = 0.f;
-    }
-    const uint4* src = ring + cur_slot * (U * CH);
-#pragma unroll
-    for (int u0 = 0; u0 < U; u0 += XB) {
-      uint4 xa[XB][1], xb[XB][1];
-      load_act<1, XB>(xa, xb, xrow, cur.stage * U + u0, C);
-#pragma unroll
-      for (int u = 0; u < XB; ++u)
-        if (cur.stage * U + u0 + u < C)
-          mma_chunk<1>(acc, src[(u0 + u) * CH + lane],
-                       reinterpret_cast<const u32*>(src + (u0 + u) * CH + 32)[g * 2 + (t >> 1)], xa[u], xb[u]);
-    }
-    if (cur.stage == stages - 1) {                    // the pass is complete: the same epilogue as above
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int n = cur.pass * 8 + 2 * t + half;
-        if (n >= cur.cnt) continue;
-        const float lo = acc[0][0][half] + acc[1][0][half], hi = acc[0][0][2 + half] + acc[1][0][2 + half];
-        if (EPI == 0) {
-          const float h = lo / (1.f + __expf(-lo)) * hi;
-          static_cast<u16*>(out)[(size_t)(cur.base + n) * ld_out + cur.r * 8 + g] = f2bf(h);
-        } else {
-          float* y = static_cast<float*>(out) + (size_t)(cur.base + n) * ld_out + cur.r * 16;
-          y[g] = lo;
-          y[g + 8] = hi;
-        }
-      }
-    }
-    __syncwarp();                                     // every lane is done with this slot before it is refilled
-    cur.next(stages, warps, n_items, R, active, max_active);
-    cur_slot = cur_slot + 1 == S ? 0 : cur_slot + 1;
-  }
-  cp_wait<0>();
-}
-
 // out[t, d:d+4] = sum_k w[t,k] * y[pos[t,k], d:d+4] (+ add[t, d:d+4]); pos < 0 (expert not owned) skipped.
 template <int OUT_BF16>
 __global__ void __launch_bounds__(256) moe_combine(
@@ -361,12 +228,24 @@ __global__ void __launch_bounds__(256) moe_combine(
   const int d = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
   if (d >= D) return;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int k = 0; k < K; ++k) {
-    const int p = pos_of_pair[tok * K + k];
-    if (p < 0) continue;
-    const float wk = w[tok * K + k];
-    const float4 v = *reinterpret_cast<const float4*>(y + (size_t)p * D + d);
-    acc.x += wk * v.x; acc.y += wk * v.y; acc.z += wk * v.z; acc.w += wk * v.w;
+  constexpr int KB = 8;                 // loads of KB experts issued together (one latency, not KB), k ascending
+  for (int k0 = 0; k0 < K; k0 += KB) {
+    int p[KB];
+    float wk[KB];
+    float4 v[KB];
+#pragma unroll
+    for (int j = 0; j < KB; ++j) {
+      p[j] = k0 + j < K ? pos_of_pair[tok * K + k0 + j] : -1;
+      wk[j] = k0 + j < K ? w[tok * K + k0 + j] : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < KB; ++j)
+      v[j] = p[j] >= 0 ? *reinterpret_cast<const float4*>(y + (size_t)p[j] * D + d) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int j = 0; j < KB; ++j) {
+      if (p[j] < 0) continue;
+      acc.x += wk[j] * v[j].x; acc.y += wk[j] * v[j].y; acc.z += wk[j] * v[j].z; acc.w += wk[j] * v[j].w;
+    }
   }
   if (add != nullptr) {
     const uint2 a = *reinterpret_cast<const uint2*>(add + (size_t)tok * D + d);
@@ -384,16 +263,10 @@ __global__ void __launch_bounds__(256) moe_combine(
 }
 
 #ifdef MOE_NVCC_CHECK   // nvcc -cubin syntax/resource check of the variants optimized/moe.py instantiates
-#define ARGS (const uint4*, const u32*, const u16*, int, const int*, const int*, int, const int*, void*, int, int, int, \
-    int, int);
-#define GEMM(NT, U, XB, EPI) template __global__ void moe_int4_gemm<NT, U, XB, EPI> ARGS
-#define GEMM_CP(S, U, XB, EPI) template __global__ void moe_int4_gemm_cp<S, U, XB, EPI> ARGS
-#define BOTH(NT, U, XB, S) VARIANT_##S(NT, U, XB)
-#define VARIANT_0(NT, U, XB) GEMM(NT, U, XB, 0) GEMM(NT, U, XB, 1)
-#define VARIANT_3(NT, U, XB) GEMM_CP(3, U, XB, 0) GEMM_CP(3, U, XB, 1)
-#define VARIANT_4(NT, U, XB) GEMM_CP(4, U, XB, 0) GEMM_CP(4, U, XB, 1)
-#define VARIANT_8(NT, U, XB) GEMM_CP(8, U, XB, 0) GEMM_CP(8, U, XB, 1)
-BOTH(1, 4, 4, 0) BOTH(1, 4, 1, 0) BOTH(1, 2, 2, 0) BOTH(4, 1, 1, 0) BOTH(1, 4, 4, 4) BOTH(1, 4, 2, 3) BOTH(1, 2, 2, 8)
+#define GEMM(NT, U, XB, EPI) template __global__ void moe_int4_gemm<NT, U, XB, EPI>(const uint4*, const u32*, \
+    const u16*, int, const int*, const int*, int, const int*, void*, int, int, int);
+#define BOTH(NT, U, XB) GEMM(NT, U, XB, 0) GEMM(NT, U, XB, 1)
+BOTH(1, 4, 4) BOTH(1, 4, 1) BOTH(1, 2, 2) BOTH(4, 1, 1)
 template __global__ void moe_combine<0>(const float*, const int*, const float*, const u16*, int, int, void*);
 template __global__ void moe_combine<1>(const float*, const int*, const float*, const u16*, int, int, void*);
 #endif

@@ -185,3 +185,42 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(
     token_of_pos[pos] = p / K;
   }
 }
+
+// moe_group for P <= 32 pairs (T <= 4 at K = 8): one warp, no shared memory, no block barriers. Lane p holds pair
+// p; every count is a loop over the other lanes' local experts by shuffle. Same table as moe_group (active experts
+// in ascending local id, their first sorted position and count); inside an expert, pairs keep their index order.
+extern "C" __global__ void __launch_bounds__(32) moe_group_small(
+    const long long* __restrict__ idx, int P, int K, const int* __restrict__ g2l, int E,
+    int* __restrict__ pos_of_pair, int* __restrict__ token_of_pos, int* __restrict__ active, int max_active,
+    int* __restrict__ n_active) {
+  const int p = threadIdx.x;
+  int le = -1;
+  if (p < P) {
+    const long long ge = idx[p];
+    le = (ge >= 0 && ge < E) ? g2l[ge] : -1;
+  }
+  int less = 0, before = 0, same = 0;          // pairs on a lower expert / on mine with a lower index / on mine
+  for (int q = 0; q < P; ++q) {
+    const int eq = __shfl_sync(0xffffffffu, le, q);
+    less += eq >= 0 && eq < le;
+    before += eq == le && q < p;
+    same += eq == le;
+  }
+  const bool first = le >= 0 && before == 0;
+  const unsigned firsts = __ballot_sync(0xffffffffu, first);
+  int rank = 0;                                // distinct experts below mine
+  for (int q = 0; q < P; ++q) {
+    const int eq = __shfl_sync(0xffffffffu, le, q);
+    rank += ((firsts >> q) & 1u) && eq < le;
+  }
+  if (p == 0) n_active[0] = __popc(firsts);
+  if (p < P) {
+    pos_of_pair[p] = le >= 0 ? less + before : -1;
+    if (le >= 0) token_of_pos[less + before] = p / K;
+    if (first) {
+      active[rank] = le;
+      active[max_active + rank] = less;
+      active[2 * max_active + rank] = same;
+    }
+  }
+}
