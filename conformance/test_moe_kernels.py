@@ -350,7 +350,8 @@ def test_stages_vs_dequantized_gemm(hidden, inter, group, variant):
 @pytest.mark.gpu
 def test_variants_bit_identical():
     """Every variant issues the same mma sequence per output element; they differ only in how many chunks are in
-    flight and how many token columns a pass holds, so h and y are bitwise equal. The shapes make warps walk
+    flight and how many token columns a pass holds, so h and y are bitwise equal; so is the one-launch
+    gate_up_down (both GEMMs, per-expert completion counts) to down(gate_up(x)). The shapes make warps walk
     several items (4096 tiles per GEMM at hidden 1024), several 8-token passes per item (~25 tokens per expert)
     and a last stage of fewer than U chunks (C = 5 and 3 at hidden 320)."""
     for hidden, inter in ((320, 160), (1024, 512)):
@@ -365,6 +366,12 @@ def test_variants_bit_identical():
         for v in moe_k.GEMM_VARIANTS:
             h = moe_k.gate_up(x, w, gr, v)
             y = moe_k.down(h, w, gr, v)
+            g2 = moe_k.group_tokens(idx, w)              # the fused launch uses up its grouping's counters
+            yf = moe_k.gate_up_down(x, w, g2, v)
+            assert torch.equal(yf[g2.pos_of_pair.long()], y[gr.pos_of_pair.long()]), \
+                f"gate_up_down {v} != down(gate_up) (hidden {hidden})"
+            with pytest.raises(ValueError, match="used up"):
+                moe_k.gate_up_down(x, w, g2, v)
             if first is None:
                 first = (v, h[:n].clone(), y[:n].clone())
                 continue

@@ -10,6 +10,7 @@ Stages (each a function below; no host synchronisation anywhere, so the whole la
   group_tokens  pairs sorted by expert + the active-expert table (moe_group; one warp for <= 32 pairs)
   gate_up       fused dequant GEMM of gate and up with SwiGLU -> h [P, Fp] bf16 (moe_int4_gemm EPI 0)
   down          dequant GEMM -> y [P, D] fp32 (moe_int4_gemm EPI 1)
+  gate_up_down  gate_up then down in one launch (moe_int4_fused; what moe_routed runs)
   combine       out[t] = sum_k w[t,k] y[pos(t,k)] (+ shared expert), fp32 sums (moe_combine)
   moe_forward   all of them + the shared expert through torch (cuBLAS, bf16)
 Expert parallel: MoEWeights may hold any subset of the experts (`global_to_local`); pairs routed elsewhere are
@@ -48,7 +49,7 @@ from reference.int4 import pack_int4
 from .cuda_launch import launch, ptr as _p
 
 __all__ = ["MoEWeights", "Grouping", "compile_target", "repack", "unrepack", "pack_experts", "load_moe_weights", "route", "router",
-           "group_tokens", "pick_variant", "gate_up", "down", "combine", "moe_routed", "shared_expert", "moe_forward"]
+           "group_tokens", "pick_variant", "gate_up", "down", "gate_up_down", "combine", "moe_routed", "shared_expert", "moe_forward"]
 
 _KERNELS = Path(__file__).resolve().parent / "kernels"
 # (NT n-tiles of 8 tokens per pass, U chunks per register stage, XB chunks per activation batch): the
@@ -234,7 +235,7 @@ def _kernels(device_index: int):
     # NVRTC invalid-option error), so sm_90 on H200 and sm_120 on RTX PRO 6000: mma.sync only, no wgmma.
     options = ("-std=c++17",)
     gemm = [_gemm_name(v, epi) for v in GEMM_VARIANTS for epi in (0, 1)]
-    comb = ["moe_combine<0>", "moe_combine<1>"]
+    comb = ["moe_combine<0>", "moe_combine<1>"] + ["moe_int4_fused<%d,%d,%d>" % v for v in GEMM_VARIANTS]
     with cupy.cuda.Device(device_index):
         m1 = cupy.RawModule(code=(_KERNELS / "moe_int4.cu").read_text(), options=options,
                             name_expressions=gemm + comb)
@@ -311,8 +312,10 @@ class Grouping:
     token_of_pos: torch.Tensor    # int32 [T*K]: token of each sorted position (valid below the owned count)
     active: torch.Tensor          # int32 [3, A]: local expert id, first position, count (first n_active used)
     n_active: torch.Tensor        # int32 [1]
+    sync: torch.Tensor            # int32 [A + 1]: zero after grouping; used up by one gate_up_down call
     tokens: int
     top_k: int
+    fused_used: bool = False
 
 
 def group_tokens(idx: torch.Tensor, weights: MoEWeights) -> Grouping:
@@ -324,18 +327,19 @@ def group_tokens(idx: torch.Tensor, weights: MoEWeights) -> Grouping:
     a = max(1, min(L, p))
     if L > 4096:
         raise ValueError(f"group_tokens: {L} local experts > 4096 (shared-memory table)")
-    buf = torch.empty(2 * p + 3 * a + 1, dtype=torch.int32, device=idx.device)
-    g = Grouping(buf[:p], buf[p:2 * p], buf[2 * p:2 * p + 3 * a].view(3, a), buf[2 * p + 3 * a:], t, k)
+    buf = torch.empty(2 * p + 4 * a + 2, dtype=torch.int32, device=idx.device)
+    g = Grouping(buf[:p], buf[p:2 * p], buf[2 * p:2 * p + 3 * a].view(3, a), buf[2 * p + 3 * a:2 * p + 3 * a + 1],
+                 buf[2 * p + 3 * a + 1:], t, k)
     if p <= 32:                                   # one warp, no shared table (T <= 4 at K = 8)
         _launch("moe_group_small", idx.device, (1,), (32,),
                 (_p(idx.contiguous()), np.int32(p), np.int32(k), _p(weights.global_to_local),
                  np.int32(weights.n_experts), _p(g.pos_of_pair), _p(g.token_of_pos), _p(g.active), np.int32(a),
-                 _p(g.n_active)))
+                 _p(g.n_active), _p(g.sync)))
         return g
     _launch("moe_group", idx.device, (1,), (1024,),
             (_p(idx.contiguous()), np.int32(p), np.int32(k), _p(weights.global_to_local), np.int32(weights.n_experts),
-             np.int32(L), _p(g.pos_of_pair), _p(g.token_of_pos), _p(g.active), np.int32(a), _p(g.n_active)),
-            4 * (3 * L + 32))
+             np.int32(L), _p(g.pos_of_pair), _p(g.token_of_pos), _p(g.active), np.int32(a), _p(g.n_active),
+             _p(g.sync)), 4 * (3 * L + 32))
     return g
 
 
@@ -393,6 +397,31 @@ def down(h: torch.Tensor, weights: MoEWeights, grouping: Grouping, variant=None)
     return y
 
 
+def gate_up_down(x: torch.Tensor, weights: MoEWeights, grouping: Grouping, variant=None) -> torch.Tensor:
+    """`down(gate_up(x))` in one launch (moe_int4_fused): y [P, D] fp32, bitwise equal to the two stages. Uses up
+    the grouping's `sync` counters: call it once per `group_tokens`."""
+    xp = _check_x(x, weights)
+    variant = tuple(variant) if variant is not None else pick_variant(grouping.tokens, grouping.top_k,
+                                                                      weights.n_experts)
+    if variant not in GEMM_VARIANTS:
+        raise ValueError(f"moe experts: variant {variant} not compiled; choose from {GEMM_VARIANTS}")
+    f, fp = weights.intermediate, _pad64(weights.intermediate)
+    p = grouping.tokens * grouping.top_k
+    h = (torch.empty if fp == f else torch.zeros)(p, fp, dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(p, weights.hidden, dtype=torch.float32, device=x.device)
+    name = "moe_int4_fused<%d,%d,%d>" % variant
+    r13, c13, r2, c2 = weights.w13.shape[1], weights.w13.shape[2], weights.w2.shape[1], weights.w2.shape[2]
+    a = grouping.active.shape[1]
+    grid = max(1, min(_resident_blocks(name, x.device.index), -(-a * (r13 + r2) // _WARPS)))
+    _launch(name, x.device, (grid,), (32 * _WARPS,),
+            (_p(weights.w13), _p(weights.s13), _p(weights.w2), _p(weights.s2), _p(xp), np.int32(xp.shape[1]),
+             _p(grouping.token_of_pos), _p(grouping.active), np.int32(a), _p(grouping.n_active), _p(h),
+             np.int32(fp), _p(y), np.int32(weights.hidden), np.int32(r13), np.int32(c13), np.int32(r2), np.int32(c2),
+             _p(grouping.sync)))
+    grouping.fused_used = True
+    return y
+
+
 def combine(y: torch.Tensor, grouping: Grouping, w: torch.Tensor, add: Optional[torch.Tensor] = None,
             out_dtype=torch.bfloat16, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """out [T, D] = sum_k w[t,k] y[pos(t,k)] (+ add, bf16 [T, D]) in fp32, written as out_dtype (bf16 or fp32)."""
@@ -432,9 +461,7 @@ def moe_routed(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, weights: MoE
     if idx.shape != w.shape or idx.shape[0] != x.shape[0]:
         raise ValueError(f"moe_routed: idx {tuple(idx.shape)} / w {tuple(w.shape)} do not match x {tuple(x.shape)}")
     g = group_tokens(idx, weights)
-    h = gate_up(x, weights, g, variant)
-    y = down(h, weights, g, variant)
-    return combine(y, g, w, add, out_dtype, out)
+    return combine(gate_up_down(x, weights, g, variant), g, w, add, out_dtype, out)
 
 
 def shared_expert(x: torch.Tensor, weights: MoEWeights) -> torch.Tensor:

@@ -7,6 +7,8 @@
 //       EPI 1 (down):    y[pos, 16*tile + row] = fp32 result (combined later, deterministically).
 //       NT n-tiles of 8 tokens per pass; U weight chunks per register stage (double-buffered); XB chunks of
 //       activations loaded together.
+//   moe_int4_fused<NT, U, XB>      gate/up then down in one launch (per-expert completion counts, an atomic item
+//       queue; see its comment).
 //   moe_combine<OUT_BF16>  out[t, :] = sum_k w[t,k] * y[pos(t,k), :] (+ add[t, :]), fp32 sums, k ascending.
 //
 // Weight layout (made once at load by optimized/moe.py `repack`; see its docstring for the full story):
@@ -55,6 +57,12 @@ __device__ __forceinline__ uint4 ld_act(const void* p) {           // activation
   return v;
 }
 
+__device__ __forceinline__ uint4 ld_cg(const void* p) {            // data written earlier in the same launch
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
 // (w >> 4i) nibble pair -> bf16x2 (q * s) with q = u - 8 exact, one rounding in the multiply.
 __device__ __forceinline__ u32 dequant2(u32 w, u32 scale2) {
   u32 v, q, r;
@@ -83,7 +91,7 @@ __device__ __forceinline__ float bf2f(u16 h) { return __uint_as_float(((u32)h) <
 // row per chunk (two 16-byte loads). Issued together before the chunks' math so the L1/L2 latency is paid once
 // per XB chunks, not once per chunk (the per-warp dependency chain is what bounds T=1, where each warp owns one
 // 16-row tile).
-template <int NT, int XB>
+template <int NT, int XB, bool L2ONLY = false>
 __device__ __forceinline__ void load_act(uint4 (&xa)[XB][NT], uint4 (&xb)[XB][NT], const u16* const (&xrow)[NT],
                                          int c0, int C) {
 #pragma unroll
@@ -92,8 +100,8 @@ __device__ __forceinline__ void load_act(uint4 (&xa)[XB][NT], uint4 (&xb)[XB][NT
     for (int j = 0; j < NT; ++j) {
       if (xrow[j] != nullptr && c0 + u < C) {
         const uint4* p = reinterpret_cast<const uint4*>(xrow[j] + (c0 + u) * 64);
-        xa[u][j] = ld_act(p);
-        xb[u][j] = ld_act(p + 1);
+        xa[u][j] = L2ONLY ? ld_cg(p) : ld_act(p);
+        xb[u][j] = L2ONLY ? ld_cg(p + 1) : ld_act(p + 1);
       } else {
         xa[u][j] = make_uint4(0u, 0u, 0u, 0u);
         xb[u][j] = make_uint4(0u, 0u, 0u, 0u);
@@ -126,9 +134,108 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[2][NT][4], uint4 w, u32 s
   }
 }
 
-// NT n-tiles of 8 tokens per pass, U weight chunks per register stage (the next stage is in flight while this
-// one is multiplied), XB chunks per activation batch (U % XB == 0). (An L2 prefetch 8-16 chunks ahead, including
-// the warp's next item, was measured 5-25% slower on the H200 at every T and removed: bench/results/moe_notes.md.)
+// Expert a's gate/up tiles done (fused kernel): `done` counts finished items per active expert; a down item reads
+// h only once its expert's count reaches the gate/up tile count. Release: every lane fences its own h stores,
+// then lane 0 counts the item; acquire: every lane reads the count with ld.acquire before its first h load.
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// One work item: (active expert a, 16-row tile r), every 8*NT-token pass. NT n-tiles of 8 tokens per pass, U weight
+// chunks per register stage (the next stage is in flight while this one is multiplied), XB chunks per activation
+// batch (U % XB == 0). FUSED (one launch for both GEMMs, see moe_int4_fused): EPI 1 waits for its expert's h, and
+// reads h through L2 (it was written during this launch, so not through the read-only path); EPI 0 signals `done`.
+// (An L2 prefetch 8-16 chunks ahead, including the warp's next item, was measured 5-25% slower on the H200 at
+// every T and removed; so was a cp.async shared-memory ring of 3-8 stages: bench/results/moe_notes.md.)
+template <int NT, int U, int XB, int EPI, bool FUSED>
+__device__ __forceinline__ void gemm_item(
+    int item, const uint4* __restrict__ wq, const u32* __restrict__ ws, const u16* __restrict__ act, int ld_act,
+    const int* __restrict__ row_of_pos, const int* __restrict__ active, int max_active, void* __restrict__ out,
+    int ld_out, int R, int C, int* __restrict__ done, int need) {
+  static_assert(U % XB == 0, "XB must divide U");
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int a = item / R, r = item - a * R;
+  const int e = active[a], base = active[max_active + a], cnt = active[2 * max_active + a];
+  const size_t tile = (size_t)e * R + r;
+  const uint4* wt = wq + tile * C * 32 + lane;
+  const u32* st = ws + tile * C * 16 + (g * 2 + (t >> 1));
+  for (int n0 = 0; n0 < cnt; n0 += NT * 8) {
+    const u16* xrow[NT];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const int n = n0 + j * 8 + g;
+      xrow[j] = nullptr;
+      if (n < cnt) {
+        const int row = EPI == 0 ? row_of_pos[base + n] : base + n;
+        xrow[j] = act + (size_t)row * ld_act + 16 * t;
+      }
+    }
+    float acc[2][NT][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int j = 0; j < NT; ++j) acc[h][j][0] = acc[h][j][1] = acc[h][j][2] = acc[h][j][3] = 0.f;
+
+    uint4 cw[U];
+    u32 cs[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (u < C) { cw[u] = ld_stream(wt + (size_t)u * 32); cs[u] = ld_stream32(st + (size_t)u * 16); }
+      else { cw[u] = make_uint4(0u, 0u, 0u, 0u); cs[u] = 0u; }
+    }
+    if (FUSED && EPI == 1 && n0 == 0)                // the first weights are in flight; now wait for h
+      while (ld_acquire(done + a) < need) __nanosleep(32);
+    for (int c0 = 0; c0 < C; c0 += U) {
+      uint4 nw[U];
+      u32 ns[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = c0 + U + u;
+        if (c < C) { nw[u] = ld_stream(wt + (size_t)c * 32); ns[u] = ld_stream32(st + (size_t)c * 16); }
+        else { nw[u] = make_uint4(0u, 0u, 0u, 0u); ns[u] = 0u; }
+      }
+#pragma unroll
+      for (int u0 = 0; u0 < U; u0 += XB) {
+        uint4 xa[XB][NT], xb[XB][NT];
+        load_act<NT, XB, FUSED && EPI == 1>(xa, xb, xrow, c0 + u0, C);
+#pragma unroll
+        for (int u = 0; u < XB; ++u)
+          if (c0 + u0 + u < C) mma_chunk<NT>(acc, cw[u0 + u], cs[u0 + u], xa[u], xb[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) { cw[u] = nw[u]; cs[u] = ns[u]; }
+    }
+
+    // C fragment: acc[.][j][0..1] = row g, columns 2t, 2t+1; acc[.][j][2..3] = row g+8, same columns.
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int n = n0 + j * 8 + 2 * t + half;
+        if (n >= cnt) continue;
+        const float lo = acc[0][j][half] + acc[1][j][half], hi = acc[0][j][2 + half] + acc[1][j][2 + half];
+        if (EPI == 0) {
+          const float h = lo / (1.f + __expf(-lo)) * hi;            // silu(gate) * up
+          static_cast<u16*>(out)[(size_t)(base + n) * ld_out + r * 8 + g] = f2bf(h);
+        } else {
+          float* y = static_cast<float*>(out) + (size_t)(base + n) * ld_out + r * 16;
+          y[g] = lo;
+          y[g + 8] = hi;
+        }
+      }
+    }
+  }
+  if (FUSED && EPI == 0) {                           // this tile of h is complete
+    __threadfence();
+    __syncwarp();
+    if (lane == 0) atomicAdd(done + a, 1);
+  }
+}
+
+// One GEMM: each warp walks items w, w + warps, ... of n_active * R.
 template <int NT, int U, int XB, int EPI>
 __global__ void __launch_bounds__(256, (NT == 1 && U <= 2) ? 3 : 2) moe_int4_gemm(
     const uint4* __restrict__ wq,        // [L, R, C, 32]
@@ -141,81 +248,43 @@ __global__ void __launch_bounds__(256, (NT == 1 && U <= 2) ? 3 : 2) moe_int4_gem
     const int* __restrict__ n_active,    // [1]
     void* __restrict__ out, int ld_out,  // EPI 0: bf16 h [P, ld_out]; EPI 1: fp32 y [P, ld_out]
     int R, int C) {
-  static_assert(U % XB == 0, "XB must divide U");
-  const int lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
   const int warps = gridDim.x * (blockDim.x >> 5);
   const int n_items = n_active[0] * R;
-  for (int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); item < n_items; item += warps) {
-    const int a = item / R, r = item - a * R;
-    const int e = active[a], base = active[max_active + a], cnt = active[2 * max_active + a];
-    const size_t tile = (size_t)e * R + r;
-    const uint4* wt = wq + tile * C * 32 + lane;
-    const u32* st = ws + tile * C * 16 + (g * 2 + (t >> 1));
-    for (int n0 = 0; n0 < cnt; n0 += NT * 8) {
-      const u16* xrow[NT];
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        const int n = n0 + j * 8 + g;
-        xrow[j] = nullptr;
-        if (n < cnt) {
-          const int row = EPI == 0 ? row_of_pos[base + n] : base + n;
-          xrow[j] = act + (size_t)row * ld_act + 16 * t;
-        }
-      }
-      float acc[2][NT][4];
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int j = 0; j < NT; ++j) acc[h][j][0] = acc[h][j][1] = acc[h][j][2] = acc[h][j][3] = 0.f;
+  for (int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); item < n_items; item += warps)
+    gemm_item<NT, U, XB, EPI, false>(item, wq, ws, act, ld_act, row_of_pos, active, max_active, out, ld_out, R, C,
+                                     nullptr, 0);
+}
 
-      uint4 cw[U];
-      u32 cs[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (u < C) { cw[u] = ld_stream(wt + (size_t)u * 32); cs[u] = ld_stream32(st + (size_t)u * 16); }
-        else { cw[u] = make_uint4(0u, 0u, 0u, 0u); cs[u] = 0u; }
-      }
-      for (int c0 = 0; c0 < C; c0 += U) {
-        uint4 nw[U];
-        u32 ns[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int c = c0 + U + u;
-          if (c < C) { nw[u] = ld_stream(wt + (size_t)c * 32); ns[u] = ld_stream32(st + (size_t)c * 16); }
-          else { nw[u] = make_uint4(0u, 0u, 0u, 0u); ns[u] = 0u; }
-        }
-#pragma unroll
-        for (int u0 = 0; u0 < U; u0 += XB) {
-          uint4 xa[XB][NT], xb[XB][NT];
-          load_act<NT, XB>(xa, xb, xrow, c0 + u0, C);
-#pragma unroll
-          for (int u = 0; u < XB; ++u)
-            if (c0 + u0 + u < C) mma_chunk<NT>(acc, cw[u0 + u], cs[u0 + u], xa[u], xb[u]);
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) { cw[u] = nw[u]; cs[u] = ns[u]; }
-      }
-
-      // C fragment: acc[.][j][0..1] = row g, columns 2t, 2t+1; acc[.][j][2..3] = row g+8, same columns.
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int n = n0 + j * 8 + 2 * t + half;
-          if (n >= cnt) continue;
-          const float lo = acc[0][j][half] + acc[1][j][half], hi = acc[0][j][2 + half] + acc[1][j][2 + half];
-          if (EPI == 0) {
-            const float h = lo / (1.f + __expf(-lo)) * hi;            // silu(gate) * up
-            static_cast<u16*>(out)[(size_t)(base + n) * ld_out + r * 8 + g] = f2bf(h);
-          } else {
-            float* y = static_cast<float*>(out) + (size_t)(base + n) * ld_out + r * 16;
-            y[g] = lo;
-            y[g + 8] = hi;
-          }
-        }
-      }
-    }
+// Both GEMMs in one launch: gate/up items first, then down items, handed out in that order from an atomic queue
+// (`sync[max_active]`, zeroed by the grouping kernel with the per-expert `done` counts `sync[0..max_active)`).
+// A down item waits until its expert's R13 gate/up tiles are done, with its first weights already in flight, so
+// the down stream starts while the last gate/up tiles finish instead of after a kernel boundary. No deadlock
+// whatever the residency: a warp takes a down item only after every gate/up item has been taken by a running
+// warp, and gate/up items never wait. The math is gemm_item's: bitwise equal to the two separate launches.
+template <int NT, int U, int XB>
+__global__ void __launch_bounds__(256, (NT == 1 && U <= 2) ? 3 : 2) moe_int4_fused(
+    const uint4* __restrict__ w13, const u32* __restrict__ s13, const uint4* __restrict__ w2,
+    const u32* __restrict__ s2, const u16* __restrict__ x, int ld_x, const int* __restrict__ row_of_pos,
+    const int* __restrict__ active, int max_active, const int* __restrict__ n_active, u16* __restrict__ h, int ld_h,
+    float* __restrict__ y, int ld_y, int R13, int C13, int R2, int C2, int* __restrict__ sync) {
+  const int lane = threadIdx.x & 31;
+  const int na = n_active[0];
+  const int n13 = na * R13, n_items = n13 + na * R2;
+  int* queue = sync + max_active;
+  int item = 0;
+  if (lane == 0) item = atomicAdd(queue, 1);
+  item = __shfl_sync(0xffffffffu, item, 0);
+  while (item < n_items) {
+    int next = 0;
+    if (lane == 0) next = atomicAdd(queue, 1);      // taken now, used after this item
+    next = __shfl_sync(0xffffffffu, next, 0);
+    if (item < n13)
+      gemm_item<NT, U, XB, 0, true>(item, w13, s13, x, ld_x, row_of_pos, active, max_active, h, ld_h, R13, C13,
+                                    sync, R13);
+    else
+      gemm_item<NT, U, XB, 1, true>(item - n13, w2, s2, h, ld_h, nullptr, active, max_active, y, ld_y, R2, C2,
+                                    sync, R13);
+    item = next;
   }
 }
 
@@ -265,7 +334,9 @@ __global__ void __launch_bounds__(256) moe_combine(
 #ifdef MOE_NVCC_CHECK   // nvcc -cubin syntax/resource check of the variants optimized/moe.py instantiates
 #define GEMM(NT, U, XB, EPI) template __global__ void moe_int4_gemm<NT, U, XB, EPI>(const uint4*, const u32*, \
     const u16*, int, const int*, const int*, int, const int*, void*, int, int, int);
-#define BOTH(NT, U, XB) GEMM(NT, U, XB, 0) GEMM(NT, U, XB, 1)
+#define FUSED(NT, U, XB) template __global__ void moe_int4_fused<NT, U, XB>(const uint4*, const u32*, const uint4*, \
+    const u32*, const u16*, int, const int*, const int*, int, const int*, u16*, int, float*, int, int, int, int, int, int*);
+#define BOTH(NT, U, XB) GEMM(NT, U, XB, 0) GEMM(NT, U, XB, 1) FUSED(NT, U, XB)
 BOTH(1, 4, 4) BOTH(1, 4, 1) BOTH(1, 2, 2) BOTH(4, 1, 1)
 template __global__ void moe_combine<0>(const float*, const int*, const float*, const u16*, int, int, void*);
 template __global__ void moe_combine<1>(const float*, const int*, const float*, const u16*, int, int, void*);

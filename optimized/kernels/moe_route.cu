@@ -141,7 +141,8 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(
     int* __restrict__ token_of_pos,     // [P]
     int* __restrict__ active,           // [3, max_active]
     int max_active,
-    int* __restrict__ n_active) {       // [1]
+    int* __restrict__ n_active,         // [1]
+    int* __restrict__ sync) {           // [max_active + 1]: zeroed for moe_int4_fused (done counts, item queue)
   extern __shared__ int smi[];
   int* cnt = smi;                       // [L]
   int* off = smi + L;                   // [L]
@@ -149,6 +150,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(
   int* wsum = smi + 3 * L;              // [32]
   const int tid = threadIdx.x;
   for (int e = tid; e < L; e += blockDim.x) cnt[e] = 0;
+  for (int i = tid; i <= max_active; i += blockDim.x) sync[i] = 0;
   __syncthreads();
   for (int p = tid; p < P; p += blockDim.x) {
     const long long ge = idx[p];
@@ -192,8 +194,9 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(
 extern "C" __global__ void __launch_bounds__(32) moe_group_small(
     const long long* __restrict__ idx, int P, int K, const int* __restrict__ g2l, int E,
     int* __restrict__ pos_of_pair, int* __restrict__ token_of_pos, int* __restrict__ active, int max_active,
-    int* __restrict__ n_active) {
+    int* __restrict__ n_active, int* __restrict__ sync) {
   const int p = threadIdx.x;
+  for (int i = p; i <= max_active; i += 32) sync[i] = 0;
   int le = -1;
   if (p < P) {
     const long long ge = idx[p];
