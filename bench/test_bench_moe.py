@@ -96,6 +96,11 @@ def measure(layer, tokens, reps=20, ref_reps=3, grouped=None) -> dict:
     t = event_times(ours)
     row.update(ours_us=median(t) * 1e6, ours_tbps=bw(t))
     row["ours_pct_of_4.24"] = row["ours_tbps"] / CEILING_TBPS
+    for fused in (False, True):                  # gate/up + down as two launches / one launch, same routings
+        paths = [(lambda x=x, i=i, wt=wt: moe_k.moe_routed(x, i, wt, w, fused=fused)) for x, i, wt in routes]
+        paths[0]()
+        row["fused_us" if fused else "two_launch_us"] = median(event_times(paths)) * 1e6
+    row["fused_default"] = tokens * cfg.num_experts_per_tok >= moe_k.FUSED_MIN_PAIRS
     full = [(lambda x=x: moe_k.moe_forward(x, w, cfg)) for x, _, _ in routes]
     for fn in full[:3]:
         fn()
@@ -160,14 +165,17 @@ def markdown(res) -> str:
              f"torch {prov.get('torch')}, cupy {prov.get('cupy')}, {prov.get('nvrtc_target')}, commit "
              f"{prov.get('commit')}; copy bandwidth measured here {res['copy_tbps']:.2f} TB/s (ceiling used: "
              f"{CEILING_TBPS} TB/s). Times: device medians over fresh random routings.", "",
-             "| T | distinct experts | floor µs | ours µs | TB/s | % of 4.24 | ours full µs | PyTorch ref µs | "
-             "× ref | grouped bf16 µs | × grouped |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "`ours` runs gate/up and down in one launch from T*K >= {} pairs (`fused`), else as two launches; "
+             "both are timed on the same routings.".format(moe_k.FUSED_MIN_PAIRS), "",
+             "| T | distinct experts | floor µs | ours µs | TB/s | % of 4.24 | two launches µs | fused µs | "
+             "ours full µs | PyTorch ref µs | × ref | grouped bf16 µs | × grouped |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         ref, grp = r.get("torch_ref_us"), r.get("grouped_us")
         lines.append(
             f"| {r['tokens']} | {r['distinct']} | {r['floor_us']:.0f} | {r['ours_us']:.0f} | {r['ours_tbps']:.2f} | "
-            f"{r['ours_pct_of_4.24']:.0%} | {r['ours_full_us']:.0f} | "
+            f"{r['ours_pct_of_4.24']:.0%} | {r.get('two_launch_us', float('nan')):.0f} | "
+            f"{r.get('fused_us', float('nan')):.0f} | {r['ours_full_us']:.0f} | "
             f"{'%.0f' % ref if ref else '-'} | {'%.0f' % (ref / r['ours_full_us']) if ref else '-'} | "
             f"{'%.0f' % grp if grp else '-'} | {'%.1f' % (grp / r['ours_us']) if grp else '-'} |")
     impl = res["rows"][0].get("grouped_impl", "-") if res["rows"] else "-"

@@ -57,6 +57,9 @@ _KERNELS = Path(__file__).resolve().parent / "kernels"
 # every T from 1 to 256 (bench/results/moe_int4.md); NT=4 serves experts with > 32 tokens.
 GEMM_VARIANTS = ((1, 4, 4), (1, 4, 1), (1, 2, 2), (4, 1, 1))
 _WARPS = 8
+# moe_routed runs gate/up and down as one launch from this many token-expert pairs: on the H200 the fused launch
+# was faster at T = 8..64 (K = 8) and slower at T = 1 (bench/results/moe_int4.md, `fused` columns).
+FUSED_MIN_PAIRS = 64
 
 
 def _pad64(n: int) -> int:
@@ -399,7 +402,9 @@ def down(h: torch.Tensor, weights: MoEWeights, grouping: Grouping, variant=None)
 
 def gate_up_down(x: torch.Tensor, weights: MoEWeights, grouping: Grouping, variant=None) -> torch.Tensor:
     """`down(gate_up(x))` in one launch (moe_int4_fused): y [P, D] fp32, bitwise equal to the two stages. Uses up
-    the grouping's `sync` counters: call it once per `group_tokens`."""
+    the grouping's `sync` counters: once per `group_tokens` (a second call raises; graph replays rerun both)."""
+    if grouping.fused_used:
+        raise ValueError("gate_up_down: this grouping's counters are used up; call group_tokens again")
     xp = _check_x(x, weights)
     variant = tuple(variant) if variant is not None else pick_variant(grouping.tokens, grouping.top_k,
                                                                       weights.n_experts)
@@ -455,13 +460,19 @@ def _check_x(x: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
 
 
 def moe_routed(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, weights: MoEWeights,
-               add: Optional[torch.Tensor] = None, out_dtype=torch.bfloat16, out=None, variant=None):
-    """sum_k w[t,k] expert_{idx[t,k]}(x[t]) over the experts held in `weights` (+ add): [T, D]."""
+               add: Optional[torch.Tensor] = None, out_dtype=torch.bfloat16, out=None, variant=None,
+               fused: Optional[bool] = None):
+    """sum_k w[t,k] expert_{idx[t,k]}(x[t]) over the experts held in `weights` (+ add): [T, D].
+    fused: gate/up and down in one launch (default above FUSED_MIN_PAIRS token-expert pairs) or two."""
     _check_x(x, weights)
     if idx.shape != w.shape or idx.shape[0] != x.shape[0]:
         raise ValueError(f"moe_routed: idx {tuple(idx.shape)} / w {tuple(w.shape)} do not match x {tuple(x.shape)}")
     g = group_tokens(idx, weights)
-    return combine(gate_up_down(x, weights, g, variant), g, w, add, out_dtype, out)
+    if fused if fused is not None else idx.numel() >= FUSED_MIN_PAIRS:
+        y = gate_up_down(x, weights, g, variant)
+    else:
+        y = down(gate_up(x, weights, g, variant), weights, g, variant)
+    return combine(y, g, w, add, out_dtype, out)
 
 
 def shared_expert(x: torch.Tensor, weights: MoEWeights) -> torch.Tensor:

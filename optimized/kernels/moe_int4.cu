@@ -57,9 +57,10 @@ __device__ __forceinline__ uint4 ld_act(const void* p) {           // activation
   return v;
 }
 
-__device__ __forceinline__ uint4 ld_cg(const void* p) {            // data written earlier in the same launch
-  uint4 v;
-  asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+__device__ __forceinline__ uint4 ld_weak(const void* p) {          // data written earlier in the same launch:
+  uint4 v;                                                          // a plain (coherent, L1-cached) load, ordered
+  asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];"              // after this thread's ld.acquire of the count
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
   return v;
 }
 
@@ -91,7 +92,7 @@ __device__ __forceinline__ float bf2f(u16 h) { return __uint_as_float(((u32)h) <
 // row per chunk (two 16-byte loads). Issued together before the chunks' math so the L1/L2 latency is paid once
 // per XB chunks, not once per chunk (the per-warp dependency chain is what bounds T=1, where each warp owns one
 // 16-row tile).
-template <int NT, int XB, bool L2ONLY = false>
+template <int NT, int XB, bool WEAK = false>
 __device__ __forceinline__ void load_act(uint4 (&xa)[XB][NT], uint4 (&xb)[XB][NT], const u16* const (&xrow)[NT],
                                          int c0, int C) {
 #pragma unroll
@@ -100,8 +101,8 @@ __device__ __forceinline__ void load_act(uint4 (&xa)[XB][NT], uint4 (&xb)[XB][NT
     for (int j = 0; j < NT; ++j) {
       if (xrow[j] != nullptr && c0 + u < C) {
         const uint4* p = reinterpret_cast<const uint4*>(xrow[j] + (c0 + u) * 64);
-        xa[u][j] = L2ONLY ? ld_cg(p) : ld_act(p);
-        xb[u][j] = L2ONLY ? ld_cg(p + 1) : ld_act(p + 1);
+        xa[u][j] = WEAK ? ld_weak(p) : ld_act(p);
+        xb[u][j] = WEAK ? ld_weak(p + 1) : ld_act(p + 1);
       } else {
         xa[u][j] = make_uint4(0u, 0u, 0u, 0u);
         xb[u][j] = make_uint4(0u, 0u, 0u, 0u);
@@ -146,7 +147,8 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
 // One work item: (active expert a, 16-row tile r), every 8*NT-token pass. NT n-tiles of 8 tokens per pass, U weight
 // chunks per register stage (the next stage is in flight while this one is multiplied), XB chunks per activation
 // batch (U % XB == 0). FUSED (one launch for both GEMMs, see moe_int4_fused): EPI 1 waits for its expert's h, and
-// reads h through L2 (it was written during this launch, so not through the read-only path); EPI 0 signals `done`.
+// reads h with plain loads (it was written during this launch: not through the read-only path); EPI 0 signals
+// `done`.
 // (An L2 prefetch 8-16 chunks ahead, including the warp's next item, was measured 5-25% slower on the H200 at
 // every T and removed; so was a cp.async shared-memory ring of 3-8 stages: bench/results/moe_notes.md.)
 template <int NT, int U, int XB, int EPI, bool FUSED>
