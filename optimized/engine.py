@@ -213,6 +213,8 @@ class _Buffers:
     host_active: torch.Tensor             # int64 [R] pinned
     arange: torch.Tensor                  # int64 [MAX_T + 1]
     offs: torch.Tensor                    # int64 [R]: r * cap (flat slot of a request's row 0)
+    prefill_ids: torch.Tensor             # int64 [MAX_T]: the prompt chunk being prefilled (pad rows: any ids)
+    prefill_last: torch.Tensor            # int64 [1]: its last real row (the row whose logits prefill returns)
 
 
 @dataclass
@@ -247,7 +249,7 @@ class EngineRoundTrace:
 @dataclass
 class _Graphs:
     graphs: list                          # one graph, or one per stage
-    rnd: _Round
+    rnd: object                           # what the captured calls produced: a round's _Round, a prefill's logits
 
 
 def _pad4(t: int) -> int:
@@ -349,15 +351,16 @@ class Engine:
                             torch.ones(r, **long), torch.zeros(r, MAX_T + 1, **long), torch.zeros(r, **long),
                             torch.zeros(r, MAX_T + 2, dtype=torch.long, pin_memory=pin),
                             torch.ones(r, dtype=torch.long, pin_memory=pin), torch.arange(MAX_T + 1, **z),
-                            torch.arange(r, **z) * self.cap)
+                            torch.arange(r, **z) * self.cap, torch.zeros(MAX_T, **long), torch.zeros(1, **long))
+        self._causal: dict = {}                   # rows -> packed causal visibility [1, rows, W] (prefill)
 
     # ---- the target forward over T rows per request at slots start.. (prefill chunks and verify alike) -------
 
     def _forward(self, ids: torch.Tensor, depths: torch.Tensor, bits: torch.Tensor, bucket: int,
-                 want_feats: bool, r0: int = 0):
+                 want_feats: bool, r0: int = 0, logit_rows: Optional[torch.Tensor] = None):
         """Requests r0..r0+n-1: ids [n, T] at positions start + depths [n, T], visibility: their prefix + bits
         [n, Tp, W]. Writes latent rows at slots start..start+T-1. Returns (logits [n, T, V], features
-        [n, T, F] or None)."""
+        [n, T, F] or None); logit_rows (flat row indices, one request): logits of those rows only [1, k, V]."""
         cfg, b = self.cfg, self.buf
         n, t = ids.shape
         start = b.start[r0:r0 + n]
@@ -383,7 +386,8 @@ class Engine:
             h = h + self._mlp(i, layer, self.ops.norm(layer.post_attention_layernorm, h))
             if want_feats and i in self.layer_ids:
                 feats[i] = h
-        logits = self.target.lm_head(self.ops.norm(self.target.model.norm, h)).view(n, t, -1)
+        last = h if logit_rows is None else h.index_select(0, logit_rows)
+        logits = self.target.lm_head(self.ops.norm(self.target.model.norm, last)).view(n, -1, self.cfg.vocab_size)
         return logits, (torch.cat([feats[i] for i in self.layer_ids], -1).view(n, t, -1) if want_feats else None)
 
     def _project(self, at, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -611,64 +615,100 @@ class Engine:
         timing.rounds += 1
 
     def _capture(self, key, per_stage: bool) -> _Graphs:
+        """The round `key` as one graph, or one per stage."""
+        r = _Round()
+        fns = self._stage_fns()
+        groups = [[fn] for fn in fns] if per_stage else [fns]
+        graphs = self._capture_calls(f"the round {key} (requests, mode, budget, depth, bucket)",
+                                     [[lambda fn=fn: fn(r, key) for fn in group] for group in groups],
+                                     warm=lambda: [fn(_Round(), key) for fn in fns])
+        rec = self._graphs[key] = _Graphs(graphs, r)
+        return rec
+
+    def _capture_calls(self, what: str, groups: list, warm: Callable) -> list:
         """Warm up (eagerly, on a side stream; harmless: writes land past the committed prefix; the scalar state
-        is restored), then capture. Raises GraphCaptureError with the cause; never falls back."""
+        is restored), then capture each group of calls as one graph. Raises GraphCaptureError with the cause;
+        never falls back."""
         b = self.buf
         saved = (b.start.clone(), b.bonus.clone())
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         try:
             with torch.cuda.stream(side):
-                r = _Round()
-                for fn in self._stage_fns():
-                    fn(r, key)
+                warm()
                 b.start.copy_(saved[0])
                 b.bonus.copy_(saved[1])
             torch.cuda.current_stream(self.device).wait_stream(side)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            r = _Round()
-            fns = self._stage_fns()
-            groups = [[fn] for fn in fns] if per_stage else [fns]
             graphs = []
             for group in groups:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self._pool):
-                    for fn in group:
-                        fn(r, key)
+                    for call in group:
+                        call()
                 graphs.append(g)
         except Exception as e:
-            raise GraphCaptureError(f"CUDA graph capture of the round {key} (requests, mode, budget, depth, "
-                                    f"bucket) failed: {type(e).__name__}: {e}. Run with eager=True to decode "
-                                    "without graphs, and report this.") from e
-        rec = _Graphs(graphs, r)
-        self._graphs[key] = rec
-        return rec
+            raise GraphCaptureError(f"CUDA graph capture of {what} failed: {type(e).__name__}: {e}. Run with "
+                                    "eager=True to decode without graphs, and report this.") from e
+        return graphs
 
     # ---- prefill -----------------------------------------------------------------------------------------
 
     def _bucket(self, length: int) -> int:
         return min(self.cap, max(MIN_BUCKET, 1 << (length - 1).bit_length()))
 
+    @staticmethod
+    def _prefill_rows(t: int) -> int:
+        """Rows a prefill chunk of t prompt tokens runs as: the power of two >= t (at least 8, at most MAX_T - 1),
+        so one graph per (request, rows, bucket) serves every prompt length."""
+        return min(MAX_T - 1, max(8, 1 << (t - 1).bit_length()))
+
     def _prefill(self, prompt: torch.Tensor, r: int):
-        """Request r: causal prefill in chunks of at most MAX_T - 1 rows (eager); the last row's logits [1, V]."""
+        """Request r: causal prefill in chunks of at most MAX_T - 1 prompt tokens, each run padded to
+        `_prefill_rows` rows (a CUDA graph per shape unless eager). Pad rows come after the chunk's tokens, so
+        no real row sees them; they write latent and drafter-context rows past the prompt, which the first round
+        overwrites before anything reads them. Returns the last prompt row's logits [1, V]."""
         b = self.buf
         b.start[r] = 0
-        n = prompt.numel()
-        chunk = MAX_T - 1
-        tri = torch.ones(chunk, chunk, dtype=torch.bool, device=self.device).tril()
+        n, chunk = prompt.numel(), MAX_T - 1
         logits = None
         for s in range(0, n, chunk):
-            ids = prompt[s:s + chunk]
-            t = ids.numel()
-            bits = torch.zeros(1, _pad4(t), (t + 31) // 32, dtype=torch.int32, device=self.device)
-            bits[0, :t] = pack_visibility(tri[:t, :t].contiguous())
-            logits, feats = self._forward(ids[None], b.arange[None, :t], bits, self._bucket(s + t),
-                                          self.drafter is not None, r0=r)
-            if self.drafter is not None:
-                self._extend_context(feats, r0=r)
+            t = min(chunk, n - s)
+            rows = self._prefill_rows(t)
+            b.prefill_ids[:t].copy_(prompt[s:s + t])
+            b.prefill_last.fill_(t - 1)
+            key = ("prefill", r, rows, self._bucket(s + rows))
+            if self.eager:
+                logits = self._prefill_chunk(key)
+            else:
+                rec = self._graphs.get(key)
+                if rec is None:
+                    out = {}
+                    graphs = self._capture_calls(
+                        f"the prefill {key} (request, rows, bucket)",
+                        [[lambda: out.__setitem__("logits", self._prefill_chunk(key))]],
+                        warm=lambda: self._prefill_chunk(key))
+                    rec = self._graphs[key] = _Graphs(graphs, out["logits"])
+                rec.graphs[0].replay()
+                logits = rec.rnd
             b.start[r] += t
-        return logits[0, -1:]
+        return logits[0]
+
+    def _prefill_chunk(self, key):
+        """The prefill forward of b.prefill_ids[:rows] for request r at its start: latent rows, drafter context,
+        and the logits of row b.prefill_last [1, 1, V]."""
+        _, r, rows, bucket = key
+        b = self.buf
+        bits = self._causal.get(rows)
+        if bits is None:                          # made once per shape, before any capture of it (warm-up)
+            tri = torch.ones(rows, rows, dtype=torch.bool, device=self.device).tril()
+            bits = self._causal[rows] = pack_visibility(tri)[None]
+        logits, feats = self._forward(b.prefill_ids[None, :rows], b.arange[None, :rows], bits, bucket,
+                                      self.drafter is not None, r0=r, logit_rows=b.prefill_last)
+        if self.drafter is not None:
+            self._extend_context(feats, r0=r)
+        return logits
 
     # ---- generate ----------------------------------------------------------------------------------------
 
