@@ -619,9 +619,12 @@ class Engine:
         r = _Round()
         fns = self._stage_fns()
         groups = [[fn] for fn in fns] if per_stage else [fns]
+        def warm():                                   # the stages hand each other one _Round
+            w = _Round()
+            for fn in fns:
+                fn(w, key)
         graphs = self._capture_calls(f"the round {key} (requests, mode, budget, depth, bucket)",
-                                     [[lambda fn=fn: fn(r, key) for fn in group] for group in groups],
-                                     warm=lambda: [fn(_Round(), key) for fn in fns])
+                                     [[lambda fn=fn: fn(r, key) for fn in group] for group in groups], warm)
         rec = self._graphs[key] = _Graphs(graphs, r)
         return rec
 
