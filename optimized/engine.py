@@ -21,7 +21,8 @@ garbage left by an earlier one: that is what makes warm-up and capture harmless.
 output buffer once (one sync) to stream tokens, cut at stop tokens and max_new_tokens.
 
 CUDA graphs: one graph per (requests, mode, budget, draft depth, length bucket); the bucket is the power of two >= 256
-covering start + T, so attention work follows the real length while a handful of graphs cover every prefix.
+covering start + T, so attention work follows the real length while a handful of graphs cover every prefix. The
+prefill too: one graph per (request, rows, bucket), each prompt chunk padded to a power of two rows (`_prefill`).
 A failed capture raises GraphCaptureError (never a silent eager fallback); `eager=True` runs without graphs.
 `stage_timing=True` captures each stage as its own graph and times it with CUDA events (RoundTiming).
 
