@@ -22,6 +22,7 @@ import pytest
 import torch
 from hypothesis import example, given, strategies as st
 
+from compare import assert_close
 import optimized
 import reference
 from optimized.engine import Engine, GraphCaptureError, RoundTiming
@@ -76,6 +77,28 @@ def test_torch_backend_accepts_several_tokens(pair):
     ref = reference.generate(target, drafter, prompt_for(3, n=250), max_new_tokens=40, mode="ddtree", budget=40)
     assert out.tokens == ref.tokens and out.acceptance_lengths == ref.acceptance_lengths
     assert max(out.acceptance_lengths) >= 3
+
+
+@pytest.mark.parametrize("n", [1, 5, 13, 64])
+def test_padded_prefill_leaves_the_reference_cache(pair, n):
+    """The prefill runs each chunk padded to a power of two rows (the shape its CUDA graph was captured for):
+    the committed rows of the latent cache and of the drafter context equal the reference's causal prefill, and
+    the first token equals the reference's (torch backend, float64)."""
+    target, drafter = pair
+    prompt = prompt_for(11, n=n)
+    eng = Engine(target, drafter, backend="torch", max_seq_len=128)
+    out = eng.generate(prompt, max_new_tokens=1, mode="ddtree", budget=4)
+    fresh = target.new_cache()
+    ref = target.forward(torch.tensor(prompt), cache=fresh, hidden_layers=drafter.target_layer_ids)
+    assert out.tokens == [int(ref.logits[-1].argmax())]
+    assert int(eng.buf.start[0]) == n and eng._prefill_rows(n) >= max(8, n)
+    for layer in range(target.cfg.num_hidden_layers):
+        assert_close(eng.buf.latent[layer, 0, :n], fresh.get(layer), "float64_reassoc", f"latent layer {layer}")
+    ctx = drafter.new_context()
+    drafter.extend_context(ctx, torch.cat([ref.hidden[i] for i in drafter.target_layer_ids], -1))
+    for layer in range(drafter.cfg.num_hidden_layers):
+        assert_close(eng.buf.ctx_k[layer, 0, :n], ctx.k[layer], "float64_reassoc", f"draft k {layer}")
+        assert_close(eng.buf.ctx_v[layer, 0, :n], ctx.v[layer], "float64_reassoc", f"draft v {layer}")
 
 
 def test_torch_backend_prefill_chunks_and_sampling():
