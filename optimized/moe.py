@@ -58,7 +58,7 @@ _KERNELS = Path(__file__).resolve().parent / "kernels"
 GEMM_VARIANTS = ((1, 4, 4), (1, 4, 1), (1, 2, 2), (4, 1, 1))
 _WARPS = 8
 # moe_routed runs gate/up and down as one launch from this many token-expert pairs: on the H200 the fused launch
-# was faster at T = 8..64 (K = 8) and slower at T = 1 (bench/results/moe_int4.md, `fused` columns).
+# was faster at T = 8..256 (K = 8) and slower at T = 1 (bench/results/moe_int4.md, `fused` columns).
 FUSED_MIN_PAIRS = 64
 
 
@@ -238,7 +238,7 @@ def _kernels(device_index: int):
     # NVRTC invalid-option error), so sm_90 on H200 and sm_120 on RTX PRO 6000: mma.sync only, no wgmma.
     options = ("-std=c++17",)
     gemm = [_gemm_name(v, epi) for v in GEMM_VARIANTS for epi in (0, 1)]
-    comb = ["moe_combine<0>", "moe_combine<1>"] + ["moe_int4_fused<%d,%d,%d>" % v for v in GEMM_VARIANTS]
+    comb = ["moe_combine<0>", "moe_combine<1>"] + [_fused_name(v) for v in GEMM_VARIANTS]
     with cupy.cuda.Device(device_index):
         m1 = cupy.RawModule(code=(_KERNELS / "moe_int4.cu").read_text(), options=options,
                             name_expressions=gemm + comb)
@@ -350,6 +350,10 @@ def _gemm_name(variant, epi: int) -> str:
     return "moe_int4_gemm<%d,%d,%d,%d>" % (*variant, epi)
 
 
+def _fused_name(variant) -> str:
+    return "moe_int4_fused<%d,%d,%d>" % variant
+
+
 def pick_variant(tokens: int, top_k: int, n_experts: int):
     """(NT, U, XB) for a call. NT=1 (8-token passes) with activations batched 4 chunks deep measured fastest at
     every T from 1 to 256 under near-uniform routing (H200, bench/results/moe_int4.md): with 1-15 tokens per
@@ -368,12 +372,23 @@ def _resident_blocks(name: str, device_index: int) -> int:
     return n_sm * max(1, min(warps_per_sm, 65536 // per_warp) // _WARPS)
 
 
-def _run_gemm(epi: int, act: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, g: Grouping, out: torch.Tensor,
-              n_experts: int, variant):
+def _variant(g: Grouping, n_experts: int, variant):
+    """The caller's (NT, U, XB), checked to be compiled, or `pick_variant`'s choice for this grouping."""
     variant = tuple(variant) if variant is not None else pick_variant(g.tokens, g.top_k, n_experts)
     if variant not in GEMM_VARIANTS:
         raise ValueError(f"moe gemm: variant {variant} not compiled; choose from {GEMM_VARIANTS}")
-    name = _gemm_name(variant, epi)
+    return variant
+
+
+def _h_buffer(weights: MoEWeights, g: Grouping, device) -> torch.Tensor:
+    """gate_up's output h [P, Fp] bf16; padding columns past F zeroed (down reads all Fp)."""
+    f, fp = weights.intermediate, _pad64(weights.intermediate)
+    return (torch.empty if fp == f else torch.zeros)(g.tokens * g.top_k, fp, dtype=torch.bfloat16, device=device)
+
+
+def _run_gemm(epi: int, act: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, g: Grouping, out: torch.Tensor,
+              n_experts: int, variant):
+    name = _gemm_name(_variant(g, n_experts, variant), epi)
     r, c = wq.shape[1], wq.shape[2]
     a = g.active.shape[1]
     grid = max(1, min(_resident_blocks(name, act.device.index), -(-a * r // _WARPS)))
@@ -386,9 +401,7 @@ def gate_up(x: torch.Tensor, weights: MoEWeights, grouping: Grouping, variant=No
     """h [P, Fp] bf16 = silu(x W_gate^T) * (x W_up^T) for every sorted pair (rows past the owned count unset;
     columns past F zero)."""
     xp = _check_x(x, weights)
-    f, fp = weights.intermediate, _pad64(weights.intermediate)
-    p = grouping.tokens * grouping.top_k
-    h = (torch.empty if fp == f else torch.zeros)(p, fp, dtype=torch.bfloat16, device=x.device)
+    h = _h_buffer(weights, grouping, x.device)
     _run_gemm(0, xp, weights.w13, weights.s13, grouping, h, weights.n_experts, variant)
     return h
 
@@ -406,22 +419,16 @@ def gate_up_down(x: torch.Tensor, weights: MoEWeights, grouping: Grouping, varia
     if grouping.fused_used:
         raise ValueError("gate_up_down: this grouping's counters are used up; call group_tokens again")
     xp = _check_x(x, weights)
-    variant = tuple(variant) if variant is not None else pick_variant(grouping.tokens, grouping.top_k,
-                                                                      weights.n_experts)
-    if variant not in GEMM_VARIANTS:
-        raise ValueError(f"moe experts: variant {variant} not compiled; choose from {GEMM_VARIANTS}")
-    f, fp = weights.intermediate, _pad64(weights.intermediate)
-    p = grouping.tokens * grouping.top_k
-    h = (torch.empty if fp == f else torch.zeros)(p, fp, dtype=torch.bfloat16, device=x.device)
-    y = torch.empty(p, weights.hidden, dtype=torch.float32, device=x.device)
-    name = "moe_int4_fused<%d,%d,%d>" % variant
+    name = _fused_name(_variant(grouping, weights.n_experts, variant))
+    h = _h_buffer(weights, grouping, x.device)
+    y = torch.empty(h.shape[0], weights.hidden, dtype=torch.float32, device=x.device)
     r13, c13, r2, c2 = weights.w13.shape[1], weights.w13.shape[2], weights.w2.shape[1], weights.w2.shape[2]
     a = grouping.active.shape[1]
     grid = max(1, min(_resident_blocks(name, x.device.index), -(-a * (r13 + r2) // _WARPS)))
     _launch(name, x.device, (grid,), (32 * _WARPS,),
             (_p(weights.w13), _p(weights.s13), _p(weights.w2), _p(weights.s2), _p(xp), np.int32(xp.shape[1]),
              _p(grouping.token_of_pos), _p(grouping.active), np.int32(a), _p(grouping.n_active), _p(h),
-             np.int32(fp), _p(y), np.int32(weights.hidden), np.int32(r13), np.int32(c13), np.int32(r2), np.int32(c2),
+             np.int32(h.shape[1]), _p(y), np.int32(weights.hidden), np.int32(r13), np.int32(c13), np.int32(r2), np.int32(c2),
              _p(grouping.sync)))
     grouping.fused_used = True
     return y
@@ -463,7 +470,7 @@ def moe_routed(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, weights: MoE
                add: Optional[torch.Tensor] = None, out_dtype=torch.bfloat16, out=None, variant=None,
                fused: Optional[bool] = None):
     """sum_k w[t,k] expert_{idx[t,k]}(x[t]) over the experts held in `weights` (+ add): [T, D].
-    fused: gate/up and down in one launch (default above FUSED_MIN_PAIRS token-expert pairs) or two."""
+    fused: gate/up and down in one launch (default from FUSED_MIN_PAIRS token-expert pairs on) or two."""
     _check_x(x, weights)
     if idx.shape != w.shape or idx.shape[0] != x.shape[0]:
         raise ValueError(f"moe_routed: idx {tuple(idx.shape)} / w {tuple(w.shape)} do not match x {tuple(x.shape)}")
