@@ -189,7 +189,7 @@ def markdown(res) -> str:
         names = sorted({tuple(v["variant"]) for v in res["variants"]})
         ts = sorted({v["tokens"] for v in res["variants"]})
         us = {(v["tokens"], tuple(v["variant"])): v["us"] for v in res["variants"]}
-        lines += ["Kernel variants (NT, U, XB): routed µs, same run (default marked *)", "",
+        lines += ["Kernel variants (NT, U, XB, S): routed µs, same run (default marked *)", "",
                   "| T | " + " | ".join(str(n) for n in names) + " |", "|---" * (len(names) + 1) + "|"]
         for t in ts:
             best = moe_k.pick_variant(t, 8, 384)
@@ -224,7 +224,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
-    ap.add_argument("--variants", action="store_true", help="also time every compiled (NT, U) variant")
+    ap.add_argument("--variants", action="store_true", help="also time every compiled (NT, U, XB, S) variant")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()

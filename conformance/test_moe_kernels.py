@@ -10,6 +10,7 @@ CPU tests: the repack round trip, the layout against the PTX mma.m16n8k16 fragme
 what each lane loads and decodes), clear errors, nvcc builds for sm_90 and sm_120. GPU tests: marked `gpu`.
 """
 import copy
+import dataclasses
 import os
 import re
 import shutil
@@ -242,15 +243,17 @@ def test_nvcc_builds(arch, src, tmp_path):
     text = open(os.path.join(KERNELS, src)).read()
     if src == "moe_int4.cu":
         for v in moe_k.GEMM_VARIANTS:
-            assert "BOTH(%d, %d, %d)" % v in text, f"MOE_NVCC_CHECK list misses variant {v}"
+            entry = "BOTH(%d, %d, %d)" % v[:3] if v[3] == 1 else "SPLIT(%d, %d, %d, %d)" % v
+            assert entry in text, f"MOE_NVCC_CHECK list misses variant {v}"
     res = subprocess.run(["nvcc", f"-arch={arch}", "-cubin", "-DMOE_NVCC_CHECK", "-Xptxas", "-v", "-o",
                           str(tmp_path / "k.cubin"), os.path.join(KERNELS, src)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     spills = re.findall(r"(\d+) bytes spill stores", res.stderr)
     assert spills and all(s == "0" for s in spills), f"register spills in {src} for {arch}:\n{res.stderr[-3000:]}"
-    if src == "moe_route.cu":                    # fetched by plain name: must not be C++-mangled
+    plain = {"moe_route.cu": (b"moe_route", b"moe_group"), "moe_int4.cu": (b"moe_group_small",)}[src]
+    if plain:                                    # fetched by plain name: must not be C++-mangled
         cubin = (tmp_path / "k.cubin").read_bytes()
-        for name in (b"moe_route", b"moe_group", b"moe_group_small"):
+        for name in plain:
             assert b"\x00" + name + b"\x00" in cubin, f"{name.decode()} is not an extern \"C\" symbol"
 
 
@@ -349,11 +352,13 @@ def test_stages_vs_dequantized_gemm(hidden, inter, group, variant):
 
 @pytest.mark.gpu
 def test_variants_bit_identical():
-    """Every variant issues the same mma sequence per output element; they differ only in how many chunks are in
-    flight and how many token columns a pass holds, so h and y are bitwise equal; so is the one-launch
-    gate_up_down (both GEMMs, per-expert completion counts) to down(gate_up(x)). The shapes make warps walk
-    several items (4096 tiles per GEMM at hidden 1024), several 8-token passes per item (~25 tokens per expert)
-    and a last stage of fewer than U chunks (C = 5 and 3 at hidden 320)."""
+    """Every variant with the same K split S issues the same mma sequence per output element; they differ only in
+    how many chunks are in flight and how many token columns a pass holds, so h and y are bitwise equal; so is
+    the one-launch gate_up_down (both GEMMs, per-expert completion counts) to down(gate_up(x)). Split-K variants
+    (S = 2) group the fp32 sums differently: bitwise equal among themselves, within rounding of S = 1. The shapes
+    make warps walk several items (4096 tiles per GEMM at hidden 1024), several 8-token passes per item (~25
+    tokens per expert) and a last stage of fewer than U chunks (C = 5 and 3 at hidden 320; odd C splits
+    unevenly)."""
     for hidden, inter in ((320, 160), (1024, 512)):
         layer = k26_random_layer("cuda", n_experts=64, hidden=hidden, inter=inter, seed=hidden)
         w, cfg = layer["weights"], layer["cfg"]
@@ -362,21 +367,65 @@ def test_variants_bit_identical():
         idx, _ = moe_k.router(x, w, cfg)
         gr = moe_k.group_tokens(idx, w)
         n = 200 * cfg.num_experts_per_tok
-        first = None
+        first = {}
         for v in moe_k.GEMM_VARIANTS:
             h = moe_k.gate_up(x, w, gr, v)
             y = moe_k.down(h, w, gr, v)
-            g2 = moe_k.group_tokens(idx, w)              # the fused launch uses up its grouping's counters
-            yf = moe_k.gate_up_down(x, w, g2, v)
-            assert torch.equal(yf[g2.pos_of_pair.long()], y[gr.pos_of_pair.long()]), \
-                f"gate_up_down {v} != down(gate_up) (hidden {hidden})"
-            with pytest.raises(ValueError, match="used up"):
-                moe_k.gate_up_down(x, w, g2, v)
-            if first is None:
-                first = (v, h[:n].clone(), y[:n].clone())
+            if v[3] == 1:
+                g2 = moe_k.group_tokens(idx, w)          # the fused launch uses up its grouping's counters
+                yf = moe_k.gate_up_down(x, w, g2, v)
+                assert torch.equal(yf[g2.pos_of_pair.long()], y[gr.pos_of_pair.long()]), \
+                    f"gate_up_down {v} != down(gate_up) (hidden {hidden})"
+                with pytest.raises(ValueError, match="used up"):
+                    moe_k.gate_up_down(x, w, g2, v)
+            else:
+                with pytest.raises(ValueError, match="splits K"):
+                    moe_k.gate_up_down(x, w, moe_k.group_tokens(idx, w), v)
+            if v[3] not in first:
+                first[v[3]] = (v, h[:n].clone(), y[:n].clone())
+                if v[3] != 1:                            # vs S = 1: fp32 regrouping, at most a bf16 ulp in h
+                    h1 = first[1][1].float()
+                    assert (h[:n].float() - h1).abs().max() <= 2 ** -7 * h1.abs().max(), f"gate_up {v} vs S = 1"
+                    y_s1 = moe_k.down(h, w, gr, first[1][0])     # same h, so only the down split differs
+                    assert (y[:n] - y_s1[:n]).abs().max() <= 1e-5 * y_s1[:n].abs().max(), f"down {v} vs S = 1"
+                    assert not torch.equal(y[:n], y_s1[:n]) or hidden == 320, "split and unsplit sums agree bitwise"
                 continue
-            assert torch.equal(h[:n], first[1]), f"gate_up {v} != {first[0]} (hidden {hidden})"
-            assert torch.equal(y[:n], first[2]), f"down {v} != {first[0]} (hidden {hidden})"
+            assert torch.equal(h[:n], first[v[3]][1]), f"gate_up {v} != {first[v[3]][0]} (hidden {hidden})"
+            assert torch.equal(y[:n], first[v[3]][2]), f"down {v} != {first[v[3]][0]} (hidden {hidden})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 2, 4])
+def test_group_gate_up_one_launch(tokens):
+    """group_gate_up (the grouping inside the gate/up launch, what moe_routed runs for <= 32 pairs) gives bitwise
+    the tables of group_tokens and the h of gate_up, for every variant; pairs on experts this rank does not hold
+    (expert parallelism) are skipped the same way; more than 32 pairs is refused."""
+    layer = k26_random_layer("cuda", n_experts=64, hidden=1024, inter=512, seed=tokens)
+    w, cfg = layer["weights"], layer["cfg"]
+    g2l = torch.full((64,), -1, dtype=torch.int32, device="cuda")
+    g2l[::2] = torch.arange(32, dtype=torch.int32, device="cuda")
+    half = dataclasses.replace(w, w13=w.w13[::2].contiguous(), s13=w.s13[::2].contiguous(),
+                               w2=w.w2[::2].contiguous(), s2=w.s2[::2].contiguous(), global_to_local=g2l)
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, 1024, generator=gen, device="cuda").to(torch.bfloat16)
+    idx, _ = moe_k.router(x, w, cfg)
+    idx[0, 0], idx[-1, -1] = idx[0, 1], idx[0, 1]          # two pairs on one expert: an expert count of >= 2
+    for weights in (w, half):
+        for v in moe_k.GEMM_VARIANTS:
+            g1 = moe_k.group_tokens(idx, weights)
+            h1 = moe_k.gate_up(x, weights, g1, v)
+            g2, h2 = moe_k.group_gate_up(x, idx, weights, v)
+            na = int(g1.n_active.item())
+            assert int(g2.n_active.item()) == na
+            assert torch.equal(g2.active[:, :na], g1.active[:, :na]), v
+            assert torch.equal(g2.pos_of_pair, g1.pos_of_pair), v
+            owned = int((g1.pos_of_pair >= 0).sum())
+            assert torch.equal(g2.token_of_pos[:owned], g1.token_of_pos[:owned]), v
+            assert torch.equal(g2.sync, torch.zeros_like(g2.sync)), v
+            assert torch.equal(h2[:owned], h1[:owned]), f"h of group_gate_up {v} != gate_up"
+    with pytest.raises(ValueError, match="pairs > 32"):
+        moe_k.group_gate_up(torch.zeros(5, 1024, device="cuda", dtype=torch.bfloat16),
+                            torch.zeros(5, 8, dtype=torch.long, device="cuda"), w)
 
 
 def check_moe_forward(cfg, seed, tokens):

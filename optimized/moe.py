@@ -9,6 +9,7 @@ Stages (each a function below; no host synchronisation anywhere, so the whole la
   router        logits = x.float() @ W_r.float().T (cuBLAS fp32, as the reference), then `route` (kernel)
   group_tokens  pairs sorted by expert + the active-expert table (moe_group; one warp for <= 32 pairs)
   gate_up       fused dequant GEMM of gate and up with SwiGLU -> h [P, Fp] bf16 (moe_int4_gemm EPI 0)
+  group_gate_up both in one launch for <= 32 pairs (moe_int4_gate_up_grouped; what moe_routed runs there)
   down          dequant GEMM -> y [P, D] fp32 (moe_int4_gemm EPI 1)
   gate_up_down  gate_up then down in one launch (moe_int4_fused; what moe_routed runs)
   combine       out[t] = sum_k w[t,k] y[pos(t,k)] (+ shared expert), fp32 sums (moe_combine)
@@ -52,10 +53,13 @@ __all__ = ["MoEWeights", "Grouping", "compile_target", "repack", "unrepack", "pa
            "group_tokens", "pick_variant", "gate_up", "down", "gate_up_down", "combine", "moe_routed", "shared_expert", "moe_forward"]
 
 _KERNELS = Path(__file__).resolve().parent / "kernels"
-# (NT n-tiles of 8 tokens per pass, U chunks per register stage, XB chunks per activation batch): the
-# instantiations compiled (each also in the .cu's MOE_NVCC_CHECK list). (1, 4, 4) was the fastest on the H200 at
-# every T from 1 to 256 (bench/results/moe_int4.md); NT=4 serves experts with > 32 tokens.
-GEMM_VARIANTS = ((1, 4, 4), (1, 4, 1), (1, 2, 2), (4, 1, 1))
+# (NT n-tiles of 8 tokens per pass, U chunks per register stage, XB chunks per activation batch, S warps per
+# item splitting K): the instantiations compiled (each also in the .cu's MOE_NVCC_CHECK list). (1, 4, 4, 1) was
+# the fastest on the H200 at every T from 1 to 256 (bench/results/moe_int4.md); NT=4 serves experts with > 32
+# tokens. S = 2 (split K, <= 64 registers so 4 blocks per SM) doubles the warps in flight when there are few items:
+# 3-5% faster gate/up at T = 1..4 (bench/results/moe_notes.md, run 8; (1, 2, 2, 2) and (1, 2, 1, 2) were as fast
+# but spill at 64 registers). Only S = 1 variants have a one-launch (fused) kernel.
+GEMM_VARIANTS = ((1, 4, 4, 1), (1, 4, 1, 1), (1, 2, 2, 1), (4, 1, 1, 1), (1, 1, 1, 2))
 _WARPS = 8
 # moe_routed runs gate/up and down as one launch from this many token-expert pairs: on the H200 the fused launch
 # was faster at T = 8..256 (K = 8) and slower at T = 1 (bench/results/moe_int4.md, `fused` columns).
@@ -238,13 +242,14 @@ def _kernels(device_index: int):
     # NVRTC invalid-option error), so sm_90 on H200 and sm_120 on RTX PRO 6000: mma.sync only, no wgmma.
     options = ("-std=c++17",)
     gemm = [_gemm_name(v, epi) for v in GEMM_VARIANTS for epi in (0, 1)]
-    comb = ["moe_combine<0>", "moe_combine<1>"] + [_fused_name(v) for v in GEMM_VARIANTS]
+    comb = ["moe_combine<0>", "moe_combine<1>"] + [_fused_name(v) for v in GEMM_VARIANTS if v[3] == 1] \
+        + [_grouped_name(v) for v in GEMM_VARIANTS]
     with cupy.cuda.Device(device_index):
         m1 = cupy.RawModule(code=(_KERNELS / "moe_int4.cu").read_text(), options=options,
                             name_expressions=gemm + comb)
         m2 = cupy.RawModule(code=(_KERNELS / "moe_route.cu").read_text(), options=options)
-        fns = {n: m1.get_function(n) for n in gemm + comb}
-        fns.update({n: m2.get_function(n) for n in ("moe_route", "moe_group", "moe_group_small")})
+        fns = {n: m1.get_function(n) for n in gemm + comb + ["moe_group_small"]}
+        fns.update({n: m2.get_function(n) for n in ("moe_route", "moe_group")})
     props = torch.cuda.get_device_properties(device_index)
     return fns, props.multi_processor_count, props.max_threads_per_multi_processor // 32
 
@@ -321,7 +326,11 @@ class Grouping:
     fused_used: bool = False
 
 
-def group_tokens(idx: torch.Tensor, weights: MoEWeights) -> Grouping:
+SMALL_PAIRS = 32     # up to this many token-expert pairs, one warp groups them (and gate/up can do it itself)
+
+
+def _grouping(idx: torch.Tensor, weights: MoEWeights) -> Grouping:
+    """The grouping's buffers, not yet filled."""
     _need_cuda("group_tokens", idx)
     if idx.dtype != torch.int64 or idx.dim() != 2:
         raise ValueError(f"group_tokens: need expert ids int64 [T, K], got {idx.dtype} {tuple(idx.shape)}")
@@ -331,13 +340,21 @@ def group_tokens(idx: torch.Tensor, weights: MoEWeights) -> Grouping:
     if L > 4096:
         raise ValueError(f"group_tokens: {L} local experts > 4096 (shared-memory table)")
     buf = torch.empty(2 * p + 4 * a + 2, dtype=torch.int32, device=idx.device)
-    g = Grouping(buf[:p], buf[p:2 * p], buf[2 * p:2 * p + 3 * a].view(3, a), buf[2 * p + 3 * a:2 * p + 3 * a + 1],
-                 buf[2 * p + 3 * a + 1:], t, k)
-    if p <= 32:                                   # one warp, no shared table (T <= 4 at K = 8)
-        _launch("moe_group_small", idx.device, (1,), (32,),
-                (_p(idx.contiguous()), np.int32(p), np.int32(k), _p(weights.global_to_local),
-                 np.int32(weights.n_experts), _p(g.pos_of_pair), _p(g.token_of_pos), _p(g.active), np.int32(a),
-                 _p(g.n_active), _p(g.sync)))
+    return Grouping(buf[:p], buf[p:2 * p], buf[2 * p:2 * p + 3 * a].view(3, a),
+                    buf[2 * p + 3 * a:2 * p + 3 * a + 1], buf[2 * p + 3 * a + 1:], t, k)
+
+
+def _group_args(idx: torch.Tensor, weights: MoEWeights, g: Grouping) -> tuple:
+    return (_p(idx.contiguous()), np.int32(g.tokens * g.top_k), np.int32(g.top_k), _p(weights.global_to_local),
+            np.int32(weights.n_experts), _p(g.pos_of_pair), _p(g.token_of_pos), _p(g.active),
+            np.int32(g.active.shape[1]), _p(g.n_active), _p(g.sync))
+
+
+def group_tokens(idx: torch.Tensor, weights: MoEWeights) -> Grouping:
+    g = _grouping(idx, weights)
+    p, k, L, a = g.tokens * g.top_k, g.top_k, weights.local_experts, g.active.shape[1]
+    if p <= SMALL_PAIRS:                          # one warp, no shared table (T <= 4 at K = 8)
+        _launch("moe_group_small", idx.device, (1,), (32,), _group_args(idx, weights, g))
         return g
     _launch("moe_group", idx.device, (1,), (1024,),
             (_p(idx.contiguous()), np.int32(p), np.int32(k), _p(weights.global_to_local), np.int32(weights.n_experts),
@@ -347,21 +364,31 @@ def group_tokens(idx: torch.Tensor, weights: MoEWeights) -> Grouping:
 
 
 def _gemm_name(variant, epi: int) -> str:
-    return "moe_int4_gemm<%d,%d,%d,%d>" % (*variant, epi)
+    return "moe_int4_gemm<%d,%d,%d,%d,%d>" % (*variant, epi)
+
+
+def _grouped_name(variant) -> str:
+    return "moe_int4_gate_up_grouped<%d,%d,%d,%d>" % variant
 
 
 def _fused_name(variant) -> str:
-    return "moe_int4_fused<%d,%d,%d>" % variant
+    if variant[3] != 1:
+        raise ValueError(f"gate_up_down: variant {variant} splits K (S = {variant[3]}); the one-launch kernel has "
+                         "S = 1 variants only: " + str([v for v in GEMM_VARIANTS if v[3] == 1]))
+    return "moe_int4_fused<%d,%d,%d>" % variant[:3]
 
 
 def pick_variant(tokens: int, top_k: int, n_experts: int):
-    """(NT, U, XB) for a call. NT=1 (8-token passes) with activations batched 4 chunks deep measured fastest at
-    every T from 1 to 256 under near-uniform routing (H200, bench/results/moe_int4.md): with 1-15 tokens per
-    expert the weight stream, not the tokens, is the cost. Only when the likely largest expert (mean + 3 sigma
-    of uniform routing, at most T) needs more than 4 passes do wider n-tiles take over (not yet timed)."""
+    """(NT, U, XB, S) for a call. Up to SMALL_PAIRS token-expert pairs (T <= 4 at K = 8) K is split over two
+    warps (S = 2), which measured 3-5% faster there (H200). Beyond, NT=1 (8-token passes) with activations batched
+    4 chunks deep measured fastest at every T up to 256 under near-uniform routing (bench/results/moe_int4.md):
+    with 1-15 tokens per expert the weight stream, not the tokens, is the cost. Only when the likely largest
+    expert (mean + 3 sigma of uniform routing, at most T) needs more than 4 passes do wider n-tiles take over."""
+    if tokens * top_k <= SMALL_PAIRS:
+        return (1, 1, 1, 2)
     m = tokens * top_k / max(1, n_experts)
     need = min(tokens, m + 3 * math.sqrt(m) + 1)
-    return (1, 4, 4) if need <= 32 else (4, 1, 1)
+    return (1, 4, 4, 1) if need <= 32 else (4, 1, 1, 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -372,9 +399,15 @@ def _resident_blocks(name: str, device_index: int) -> int:
     return n_sm * max(1, min(warps_per_sm, 65536 // per_warp) // _WARPS)
 
 
+def _variant_key(v) -> tuple:
+    """A variant as a 4-tuple; (NT, U, XB) means S = 1."""
+    v = tuple(v)
+    return v + (1,) if len(v) == 3 else v
+
+
 def _variant(g: Grouping, n_experts: int, variant):
     """The caller's (NT, U, XB), checked to be compiled, or `pick_variant`'s choice for this grouping."""
-    variant = tuple(variant) if variant is not None else pick_variant(g.tokens, g.top_k, n_experts)
+    variant = _variant_key(variant) if variant is not None else pick_variant(g.tokens, g.top_k, n_experts)
     if variant not in GEMM_VARIANTS:
         raise ValueError(f"moe gemm: variant {variant} not compiled; choose from {GEMM_VARIANTS}")
     return variant
@@ -388,10 +421,11 @@ def _h_buffer(weights: MoEWeights, g: Grouping, device) -> torch.Tensor:
 
 def _run_gemm(epi: int, act: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, g: Grouping, out: torch.Tensor,
               n_experts: int, variant):
-    name = _gemm_name(_variant(g, n_experts, variant), epi)
+    v = _variant(g, n_experts, variant)
+    name = _gemm_name(v, epi)
     r, c = wq.shape[1], wq.shape[2]
     a = g.active.shape[1]
-    grid = max(1, min(_resident_blocks(name, act.device.index), -(-a * r // _WARPS)))
+    grid = max(1, min(_resident_blocks(name, act.device.index), -(-a * r // (_WARPS // v[3]))))
     _launch(name, act.device, (grid,), (32 * _WARPS,),
             (_p(wq), _p(ws), _p(act), np.int32(act.shape[1]), _p(g.token_of_pos if epi == 0 else None),
              _p(g.active), np.int32(a), _p(g.n_active), _p(out), np.int32(out.shape[1]), np.int32(r), np.int32(c)))
@@ -404,6 +438,25 @@ def gate_up(x: torch.Tensor, weights: MoEWeights, grouping: Grouping, variant=No
     h = _h_buffer(weights, grouping, x.device)
     _run_gemm(0, xp, weights.w13, weights.s13, grouping, h, weights.n_experts, variant)
     return h
+
+
+def group_gate_up(x: torch.Tensor, idx: torch.Tensor, weights: MoEWeights, variant=None):
+    """`group_tokens` then `gate_up` in one launch, for <= SMALL_PAIRS token-expert pairs: (Grouping, h), both
+    bitwise what the two launches give (moe_int4_gate_up_grouped)."""
+    xp = _check_x(x, weights)
+    g = _grouping(idx, weights)
+    if g.tokens * g.top_k > SMALL_PAIRS:
+        raise ValueError(f"group_gate_up: {g.tokens * g.top_k} token-expert pairs > {SMALL_PAIRS}; use "
+                         "group_tokens then gate_up")
+    v = _variant(g, weights.n_experts, variant)
+    name = _grouped_name(v)
+    h = _h_buffer(weights, g, x.device)
+    r, c = weights.w13.shape[1], weights.w13.shape[2]
+    grid = max(1, min(_resident_blocks(name, x.device.index), -(-g.active.shape[1] * r // (_WARPS // v[3]))))
+    _launch(name, x.device, (grid,), (32 * _WARPS,),
+            (_p(weights.w13), _p(weights.s13), _p(xp), np.int32(xp.shape[1])) + _group_args(idx, weights, g)
+            + (_p(h), np.int32(h.shape[1]), np.int32(r), np.int32(c)))
+    return g, h
 
 
 def down(h: torch.Tensor, weights: MoEWeights, grouping: Grouping, variant=None) -> torch.Tensor:
@@ -470,14 +523,21 @@ def moe_routed(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, weights: MoE
                add: Optional[torch.Tensor] = None, out_dtype=torch.bfloat16, out=None, variant=None,
                fused: Optional[bool] = None):
     """sum_k w[t,k] expert_{idx[t,k]}(x[t]) over the experts held in `weights` (+ add): [T, D].
-    fused: gate/up and down in one launch (default from FUSED_MIN_PAIRS token-expert pairs on) or two."""
+    fused: gate/up and down in one launch (default from FUSED_MIN_PAIRS token-expert pairs on, for variants
+    that do not split K) or two."""
     _check_x(x, weights)
     if idx.shape != w.shape or idx.shape[0] != x.shape[0]:
         raise ValueError(f"moe_routed: idx {tuple(idx.shape)} / w {tuple(w.shape)} do not match x {tuple(x.shape)}")
-    g = group_tokens(idx, weights)
-    if fused if fused is not None else idx.numel() >= FUSED_MIN_PAIRS:
+    t, k = idx.shape
+    variant = _variant_key(variant) if variant is not None else pick_variant(t, k, weights.n_experts)
+    if fused if fused is not None else idx.numel() >= FUSED_MIN_PAIRS and variant[3] == 1:
+        g = group_tokens(idx, weights)
         y = gate_up_down(x, weights, g, variant)
+    elif idx.numel() <= SMALL_PAIRS:
+        g, h = group_gate_up(x, idx, weights, variant)
+        y = down(h, weights, g, variant)
     else:
+        g = group_tokens(idx, weights)
         y = down(gate_up(x, weights, g, variant), weights, g, variant)
     return combine(y, g, w, add, out_dtype, out)
 

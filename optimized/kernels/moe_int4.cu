@@ -1,7 +1,8 @@
 // INT4 (W4A16) grouped expert GEMMs for Kimi K2.6-class MoE layers, tensor cores through mma.sync.
 //
 // Kernels
-//   moe_int4_gemm<NT, U, XB, EPI>  one warp = one work item = (active expert, 16-row weight tile), full K.
+//   moe_int4_gemm<NT, U, XB, S, EPI>  one warp = one work item = (active expert, 16-row weight tile), full K; with
+//       S > 1 (split K, NT = 1) S warps of a block share an item and add their partial sums through shared memory.
 //       EPI 0 (gate+up): the tile holds 8 gate rows and the 8 up rows of the same intermediate channels, so
 //             SwiGLU happens in registers: h[pos, 8*tile + g] = bf16(silu(gate) * up).
 //       EPI 1 (down):    y[pos, 16*tile + row] = fp32 result (combined later, deterministically).
@@ -9,6 +10,8 @@
 //       activations loaded together.
 //   moe_int4_fused<NT, U, XB>      gate/up then down in one launch (per-expert completion counts, an atomic item
 //       queue; see its comment).
+//   moe_int4_gate_up_grouped<NT, U, XB, S>  the token grouping of <= 32 pairs and gate/up in one launch.
+//   moe_group_small        the grouping alone (one warp).
 //   moe_combine<OUT_BF16>  out[t, :] = sum_k w[t,k] * y[pos(t,k), :] (+ add[t, :]), fp32 sums, k ascending.
 //
 // Weight layout (made once at load by optimized/moe.py `repack`; see its docstring for the full story):
@@ -111,10 +114,11 @@ __device__ __forceinline__ void load_act(uint4 (&xa)[XB][NT], uint4 (&xb)[XB][NT
   }
 }
 
-// One 64-wide k chunk of one 16-row tile against NT n-tiles of 8 token columns. Even and odd k-steps go to two
-// accumulator sets so consecutive HMMAs do not wait on each other.
-template <int NT>
-__device__ __forceinline__ void mma_chunk(float (&acc)[2][NT][4], uint4 w, u32 sc, const uint4 (&xa)[NT],
+// One 64-wide k chunk of one 16-row tile against NT n-tiles of 8 token columns. With NACC = 2, even and odd k-steps
+// go to two accumulator sets so consecutive HMMAs do not wait on each other (split-K variants keep one set: the
+// registers buy a fourth block per SM, whose warps hide the chain).
+template <int NT, int NACC>
+__device__ __forceinline__ void mma_chunk(float (&acc)[NACC][NT][4], uint4 w, u32 sc, const uint4 (&xa)[NT],
                                           const uint4 (&xb)[NT]) {
   const u32 s_lo = __byte_perm(sc, 0, 0x1010);   // (s[g], s[g]) for rows g
   const u32 s_hi = __byte_perm(sc, 0, 0x3232);   // (s[g+8], s[g+8]) for rows g+8
@@ -130,7 +134,7 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[2][NT][4], uint4 w, u32 s
     for (int j = 0; j < NT; ++j) {
       const u32 b0 = s == 0 ? xa[j].x : s == 1 ? xa[j].z : s == 2 ? xb[j].x : xb[j].z;
       const u32 b1 = s == 0 ? xa[j].y : s == 1 ? xa[j].w : s == 2 ? xb[j].y : xb[j].w;
-      mma_bf16(acc[s & 1][j], a0, a1, a2, a3, b0, b1);
+      mma_bf16(acc[s & (NACC - 1)][j], a0, a1, a2, a3, b0, b1);
     }
   }
 }
@@ -151,19 +155,28 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
 // `done`.
 // (An L2 prefetch 8-16 chunks ahead, including the warp's next item, was measured 5-25% slower on the H200 at
 // every T and removed; so was a cp.async shared-memory ring of 3-8 stages: bench/results/moe_notes.md.)
-template <int NT, int U, int XB, int EPI, bool FUSED>
+//
+// S > 1 (split K, NT = 1): the S warps of a group (warps S*i .. S*i+S-1 of the block) share one item; part p takes
+// chunks [p*C/S, (p+1)*C/S) and parts 1..S-1 hand their sums to part 0 through shared memory `red` (named
+// barrier 1 + group), which adds them in part order and runs the epilogue: deterministic, but the fp32 sums are
+// grouped differently from S = 1 (not bitwise equal to it).
+template <int NT, int U, int XB, int EPI, bool FUSED, int S = 1>
 __device__ __forceinline__ void gemm_item(
     int item, const uint4* __restrict__ wq, const u32* __restrict__ ws, const u16* __restrict__ act, int ld_act,
     const int* __restrict__ row_of_pos, const int* __restrict__ active, int max_active, void* __restrict__ out,
-    int ld_out, int R, int C, int* __restrict__ done, int need) {
+    int ld_out, int R, int C, int* __restrict__ done, int need, float (*red)[32][4] = nullptr) {
   static_assert(U % XB == 0, "XB must divide U");
+  static_assert(S == 1 || (NT == 1 && !FUSED), "split K: NT = 1, two-launch kernels only");
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
+  const int warp = threadIdx.x >> 5, part = warp % S;
   const int a = item / R, r = item - a * R;
   const int e = active[a], base = active[max_active + a], cnt = active[2 * max_active + a];
   const size_t tile = (size_t)e * R + r;
-  const uint4* wt = wq + tile * C * 32 + lane;
-  const u32* st = ws + tile * C * 16 + (g * 2 + (t >> 1));
+  const int cb = part * C / S, ce = (part + 1) * C / S;          // this part's chunks [cb, ce)
+  const uint4* wt = wq + (tile * C + cb) * 32 + lane;
+  const u32* st = ws + (tile * C + cb) * 16 + (g * 2 + (t >> 1));
+  const int x_off = cb * 64;                                    // activation columns before this part's chunks
   for (int n0 = 0; n0 < cnt; n0 += NT * 8) {
     const u16* xrow[NT];
 #pragma unroll
@@ -172,53 +185,74 @@ __device__ __forceinline__ void gemm_item(
       xrow[j] = nullptr;
       if (n < cnt) {
         const int row = EPI == 0 ? row_of_pos[base + n] : base + n;
-        xrow[j] = act + (size_t)row * ld_act + 16 * t;
+        xrow[j] = act + (size_t)row * ld_act + x_off + 16 * t;
       }
     }
-    float acc[2][NT][4];
+    constexpr int NACC = S > 1 ? 1 : 2;
+    float acc[NACC][NT][4];
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < NACC; ++h)
 #pragma unroll
       for (int j = 0; j < NT; ++j) acc[h][j][0] = acc[h][j][1] = acc[h][j][2] = acc[h][j][3] = 0.f;
 
+    const int Cn = ce - cb;
     uint4 cw[U];
     u32 cs[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if (u < C) { cw[u] = ld_stream(wt + (size_t)u * 32); cs[u] = ld_stream32(st + (size_t)u * 16); }
+      if (u < Cn) { cw[u] = ld_stream(wt + (size_t)u * 32); cs[u] = ld_stream32(st + (size_t)u * 16); }
       else { cw[u] = make_uint4(0u, 0u, 0u, 0u); cs[u] = 0u; }
     }
     if (FUSED && EPI == 1 && n0 == 0)                // the first weights are in flight; now wait for h
       while (ld_acquire(done + a) < need) __nanosleep(32);
-    for (int c0 = 0; c0 < C; c0 += U) {
+    for (int c0 = 0; c0 < Cn; c0 += U) {
       uint4 nw[U];
       u32 ns[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int c = c0 + U + u;
-        if (c < C) { nw[u] = ld_stream(wt + (size_t)c * 32); ns[u] = ld_stream32(st + (size_t)c * 16); }
+        if (c < Cn) { nw[u] = ld_stream(wt + (size_t)c * 32); ns[u] = ld_stream32(st + (size_t)c * 16); }
         else { nw[u] = make_uint4(0u, 0u, 0u, 0u); ns[u] = 0u; }
       }
 #pragma unroll
       for (int u0 = 0; u0 < U; u0 += XB) {
         uint4 xa[XB][NT], xb[XB][NT];
-        load_act<NT, XB, FUSED && EPI == 1>(xa, xb, xrow, c0 + u0, C);
+        load_act<NT, XB, FUSED && EPI == 1>(xa, xb, xrow, c0 + u0, Cn);
 #pragma unroll
         for (int u = 0; u < XB; ++u)
-          if (c0 + u0 + u < C) mma_chunk<NT>(acc, cw[u0 + u], cs[u0 + u], xa[u], xb[u]);
+          if (c0 + u0 + u < Cn) mma_chunk<NT, NACC>(acc, cw[u0 + u], cs[u0 + u], xa[u], xb[u]);
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) { cw[u] = nw[u]; cs[u] = ns[u]; }
     }
 
     // C fragment: acc[.][j][0..1] = row g, columns 2t, 2t+1; acc[.][j][2..3] = row g+8, same columns.
+    float v[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[j][i] = NACC == 2 ? acc[0][j][i] + acc[NACC - 1][j][i] : acc[0][j][i];
+    if (S > 1) {                                     // parts 1..S-1 -> part 0, added in part order
+      const int bar = 1 + warp / S;
+      if (part > 0)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) red[warp][lane][i] = v[0][i];
+      asm volatile("bar.sync %0, %1;" :: "r"(bar), "r"(32 * S) : "memory");
+      if (part == 0)
+#pragma unroll
+        for (int p = 1; p < S; ++p)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) v[0][i] += red[warp + p][lane][i];
+      asm volatile("bar.sync %0, %1;" :: "r"(bar), "r"(32 * S) : "memory");   // red free for the next pass
+      if (part > 0) continue;
+    }
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int n = n0 + j * 8 + 2 * t + half;
         if (n >= cnt) continue;
-        const float lo = acc[0][j][half] + acc[1][j][half], hi = acc[0][j][2 + half] + acc[1][j][2 + half];
+        const float lo = v[j][half], hi = v[j][2 + half];
         if (EPI == 0) {
           const float h = lo / (1.f + __expf(-lo)) * hi;            // silu(gate) * up
           static_cast<u16*>(out)[(size_t)(base + n) * ld_out + r * 8 + g] = f2bf(h);
@@ -237,9 +271,58 @@ __device__ __forceinline__ void gemm_item(
   }
 }
 
-// One GEMM: each warp walks items w, w + warps, ... of n_active * R.
-template <int NT, int U, int XB, int EPI>
-__global__ void __launch_bounds__(256, (NT == 1 && U <= 2) ? 3 : 2) moe_int4_gemm(
+// ---- token -> expert grouping for <= 32 token-expert pairs -------------------------------------------------------
+// One warp, lane p = pair p; every count is a loop over the other lanes' local experts by shuffle. The same table as
+// moe_group (moe_route.cu): active experts in ascending local id with their first sorted position and count; inside
+// an expert, pairs keep their index order. pos_of_pair and sync may be null (the gate/up kernel's shared copy).
+__device__ __forceinline__ void group_small_warp(
+    const long long* __restrict__ idx, int P, int K, const int* __restrict__ g2l, int E, int* pos_of_pair,
+    int* token_of_pos, int* active, int max_active, int* n_active, int* sync) {
+  const int p = threadIdx.x & 31;
+  if (sync != nullptr)
+    for (int i = p; i <= max_active; i += 32) sync[i] = 0;
+  int le = -1;
+  if (p < P) {
+    const long long ge = idx[p];
+    le = (ge >= 0 && ge < E) ? g2l[ge] : -1;
+  }
+  int less = 0, before = 0, same = 0;          // pairs on a lower expert / on mine with a lower index / on mine
+  for (int q = 0; q < P; ++q) {
+    const int eq = __shfl_sync(0xffffffffu, le, q);
+    less += eq >= 0 && eq < le;
+    before += eq == le && q < p;
+    same += eq == le;
+  }
+  const bool first = le >= 0 && before == 0;
+  const unsigned firsts = __ballot_sync(0xffffffffu, first);
+  int rank = 0;                                // distinct experts below mine
+  for (int q = 0; q < P; ++q) {
+    const int eq = __shfl_sync(0xffffffffu, le, q);
+    rank += ((firsts >> q) & 1u) && eq < le;
+  }
+  if (p == 0) n_active[0] = __popc(firsts);
+  if (p < P) {
+    if (pos_of_pair != nullptr) pos_of_pair[p] = le >= 0 ? less + before : -1;
+    if (le >= 0) token_of_pos[less + before] = p / K;
+    if (first) {
+      active[rank] = le;
+      active[max_active + rank] = less;
+      active[2 * max_active + rank] = same;
+    }
+  }
+}
+
+// The grouping alone (P <= 32: T <= 4 at K = 8); block of 32 threads.
+extern "C" __global__ void __launch_bounds__(32) moe_group_small(
+    const long long* __restrict__ idx, int P, int K, const int* __restrict__ g2l, int E,
+    int* __restrict__ pos_of_pair, int* __restrict__ token_of_pos, int* __restrict__ active, int max_active,
+    int* __restrict__ n_active, int* __restrict__ sync) {
+  group_small_warp(idx, P, K, g2l, E, pos_of_pair, token_of_pos, active, max_active, n_active, sync);
+}
+
+// One GEMM: each warp (each group of S warps) walks items w, w + warps, ... of n_active * R.
+template <int NT, int U, int XB, int S, int EPI>
+__global__ void __launch_bounds__(256, S > 1 ? 4 : (NT == 1 && U <= 2) ? 3 : 2) moe_int4_gemm(
     const uint4* __restrict__ wq,        // [L, R, C, 32]
     const u32* __restrict__ ws,          // [L, R, C, 16]
     const u16* __restrict__ act,         // bf16 input rows, row stride ld_act (= C*64) elements
@@ -250,11 +333,38 @@ __global__ void __launch_bounds__(256, (NT == 1 && U <= 2) ? 3 : 2) moe_int4_gem
     const int* __restrict__ n_active,    // [1]
     void* __restrict__ out, int ld_out,  // EPI 0: bf16 h [P, ld_out]; EPI 1: fp32 y [P, ld_out]
     int R, int C) {
-  const int warps = gridDim.x * (blockDim.x >> 5);
+  __shared__ float red[S > 1 ? 8 : 1][32][4];
+  const int per_block = (blockDim.x >> 5) / S;
+  const int groups = gridDim.x * per_block;
   const int n_items = n_active[0] * R;
-  for (int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); item < n_items; item += warps)
-    gemm_item<NT, U, XB, EPI, false>(item, wq, ws, act, ld_act, row_of_pos, active, max_active, out, ld_out, R, C,
-                                     nullptr, 0);
+  for (int item = blockIdx.x * per_block + (threadIdx.x >> 5) / S; item < n_items; item += groups)
+    gemm_item<NT, U, XB, EPI, false, S>(item, wq, ws, act, ld_act, row_of_pos, active, max_active, out, ld_out, R,
+                                        C, nullptr, 0, red);
+}
+
+// The grouping (P <= 32 pairs) and gate/up in one launch, saving the grouping's kernel boundary: warp 0 of every block
+// groups the pairs into shared memory (block 0 also writes the global tables that down and combine read), then the
+// block's warps run moe_int4_gemm<..., EPI 0>'s items off the shared table: h is bitwise that of the two launches.
+template <int NT, int U, int XB, int S>
+__global__ void __launch_bounds__(256, S > 1 ? 4 : (NT == 1 && U <= 2) ? 3 : 2) moe_int4_gate_up_grouped(
+    const uint4* __restrict__ wq, const u32* __restrict__ ws, const u16* __restrict__ act, int ld_act,
+    const long long* __restrict__ idx, int P, int K, const int* __restrict__ g2l, int E,
+    int* __restrict__ pos_of_pair, int* __restrict__ token_of_pos, int* __restrict__ active, int max_active,
+    int* __restrict__ n_active, int* __restrict__ sync, u16* __restrict__ out, int ld_out, int R, int C) {
+  __shared__ int tab[3 * 32 + 32 + 1];           // active [3][32], token_of_pos [32], n_active
+  __shared__ float red[S > 1 ? 8 : 1][32][4];
+  if (threadIdx.x < 32) {
+    group_small_warp(idx, P, K, g2l, E, nullptr, tab + 96, tab, 32, tab + 128, nullptr);
+    if (blockIdx.x == 0)
+      group_small_warp(idx, P, K, g2l, E, pos_of_pair, token_of_pos, active, max_active, n_active, sync);
+  }
+  __syncthreads();
+  const int per_block = (blockDim.x >> 5) / S;
+  const int groups = gridDim.x * per_block;
+  const int n_items = tab[128] * R;
+  for (int item = blockIdx.x * per_block + (threadIdx.x >> 5) / S; item < n_items; item += groups)
+    gemm_item<NT, U, XB, 0, false, S>(item, wq, ws, act, ld_act, tab + 96, tab, 32, out, ld_out, R, C, nullptr, 0,
+                                      red);
 }
 
 // Both GEMMs in one launch: gate/up items first, then down items, handed out in that order from an atomic queue
@@ -334,12 +444,17 @@ __global__ void __launch_bounds__(256) moe_combine(
 }
 
 #ifdef MOE_NVCC_CHECK   // nvcc -cubin syntax/resource check of the variants optimized/moe.py instantiates
-#define GEMM(NT, U, XB, EPI) template __global__ void moe_int4_gemm<NT, U, XB, EPI>(const uint4*, const u32*, \
-    const u16*, int, const int*, const int*, int, const int*, void*, int, int, int);
+#define GEMM(NT, U, XB, S, EPI) template __global__ void moe_int4_gemm<NT, U, XB, S, EPI>(const uint4*, \
+    const u32*, const u16*, int, const int*, const int*, int, const int*, void*, int, int, int);
 #define FUSED(NT, U, XB) template __global__ void moe_int4_fused<NT, U, XB>(const uint4*, const u32*, const uint4*, \
     const u32*, const u16*, int, const int*, const int*, int, const int*, u16*, int, float*, int, int, int, int, int, int*);
-#define BOTH(NT, U, XB) GEMM(NT, U, XB, 0) GEMM(NT, U, XB, 1) FUSED(NT, U, XB)
+#define BOTH(NT, U, XB) GEMM(NT, U, XB, 1, 0) GEMM(NT, U, XB, 1, 1) FUSED(NT, U, XB) GROUPED(NT, U, XB, 1)
+#define GROUPED(NT, U, XB, S) template __global__ void moe_int4_gate_up_grouped<NT, U, XB, S>(const uint4*, \
+    const u32*, const u16*, int, const long long*, int, int, const int*, int, int*, int*, int*, int, int*, int*, \
+    u16*, int, int, int);
+#define SPLIT(NT, U, XB, S) GEMM(NT, U, XB, S, 0) GEMM(NT, U, XB, S, 1) GROUPED(NT, U, XB, S)
 BOTH(1, 4, 4) BOTH(1, 4, 1) BOTH(1, 2, 2) BOTH(4, 1, 1)
+SPLIT(1, 1, 1, 2)
 template __global__ void moe_combine<0>(const float*, const int*, const float*, const u16*, int, int, void*);
 template __global__ void moe_combine<1>(const float*, const int*, const float*, const u16*, int, int, void*);
 #endif

@@ -1,6 +1,7 @@
 // MoE routing (noaux_tc) and token -> expert grouping for the INT4 MoE path (optimized/moe.py).
 //
-// Both kernels are extern "C": optimized/moe.py fetches them by plain name.
+// Both kernels are extern "C": optimized/moe.py fetches them by plain name. (The one-warp grouping for <= 32 pairs,
+// moe_group_small, lives in moe_int4.cu: the gate/up kernel runs the same code in its own launch.)
 //
 // moe_route: one warp per token (grid T, block 32, shared 4*(2E + 2*n_group + K) bytes).
 //   scores = sigmoid(logits) (fp32); choice = scores + bias (selection only); with n_group > 1 keep the
@@ -187,21 +188,6 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(
     token_of_pos[pos] = p / K;
   }
 }
-
-// moe_group for P <= 32 pairs (T <= 4 at K = 8): one warp, no shared memory, no block barriers. Lane p holds pair
-// p; every count is a loop over the other lanes' local experts by shuffle. Same table as moe_group (active experts
-// in ascending local id, their first sorted position and count); inside an expert, pairs keep their index order.
-extern "C" __global__ void __launch_bounds__(32) moe_group_small(
-    const long long* __restrict__ idx, int P, int K, const int* __restrict__ g2l, int E,
-    int* __restrict__ pos_of_pair, int* __restrict__ token_of_pos, int* __restrict__ active, int max_active,
-    int* __restrict__ n_active, int* __restrict__ sync) {
-  const int p = threadIdx.x;
-  for (int i = p; i <= max_active; i += 32) sync[i] = 0;
-  int le = -1;
-  if (p < P) {
-    const long long ge = idx[p];
-    le = (ge >= 0 && ge < E) ? g2l[ge] : -1;
-  }
   int less = 0, before = 0, same = 0;          // pairs on a lower expert / on mine with a lower index / on mine
   for (int q = 0; q < P; ++q) {
     const int eq = __shfl_sync(0xffffffffu, le, q);

@@ -1,0 +1,25 @@
+"""A few GPU tree builds (draft logits [L, V = 163,840] -> Tree) for a profiler; argv: L budget kind
+(default 15 256 draftlike), e.g.
+
+    ncu --kernel-name regex:'topk|beam' --launch-skip 12 --launch-count 12 \\
+        --metrics gpu__time_duration.sum python bench/tree_profile.py 15 256 draftlike
+
+(one build is 6 launches: topk_stats, topk_hist x 3, topk_gather, beam; ncu fixes the SM clock at base.)"""
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "conformance")]
+from optimized import tree_numba as opt  # noqa: E402
+from test_tree_numba import logits  # noqa: E402
+
+depth = int(sys.argv[1]) if len(sys.argv) > 1 else 15
+budget = int(sys.argv[2]) if len(sys.argv) > 2 else 256
+kind = sys.argv[3] if len(sys.argv) > 3 else "draftlike"
+x = logits(kind, depth, 163_840, depth * 7 + budget, device="cuda")
+for _ in range(4):
+    tree = opt.build_tree(x, budget)
+torch.cuda.synchronize()
+print("ok", opt.backend(), tree.n, int(tree.depths.max()))
