@@ -188,28 +188,3 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(
     token_of_pos[pos] = p / K;
   }
 }
-  int less = 0, before = 0, same = 0;          // pairs on a lower expert / on mine with a lower index / on mine
-  for (int q = 0; q < P; ++q) {
-    const int eq = __shfl_sync(0xffffffffu, le, q);
-    less += eq >= 0 && eq < le;
-    before += eq == le && q < p;
-    same += eq == le;
-  }
-  const bool first = le >= 0 && before == 0;
-  const unsigned firsts = __ballot_sync(0xffffffffu, first);
-  int rank = 0;                                // distinct experts below mine
-  for (int q = 0; q < P; ++q) {
-    const int eq = __shfl_sync(0xffffffffu, le, q);
-    rank += ((firsts >> q) & 1u) && eq < le;
-  }
-  if (p == 0) n_active[0] = __popc(firsts);
-  if (p < P) {
-    pos_of_pair[p] = le >= 0 ? less + before : -1;
-    if (le >= 0) token_of_pos[less + before] = p / K;
-    if (first) {
-      active[rank] = le;
-      active[max_active + rank] = less;
-      active[2 * max_active + rank] = same;
-    }
-  }
-}
