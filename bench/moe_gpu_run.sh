@@ -9,10 +9,10 @@ export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-dev} PYTHONDONTWRITEBYTECODE=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
 
-# SASS of the default gate/up variant (1,4,4): HMMA present, 128-bit weight loads, no local memory.
+# SASS of the gate/up variant (1,4,4,1): HMMA present, 128-bit weight loads, no local memory.
 if nvcc -arch=sm_90 -cubin -DMOE_NVCC_CHECK -o /tmp/moe_int4.cubin optimized/kernels/moe_int4.cu; then
   cuobjdump -sass /tmp/moe_int4.cubin > "$OUT/sass.txt" 2>&1
-  awk '/Function : _Z13moe_int4_gemmILi1ELi4ELi4ELi0E/{f=1;next} /Function :/{f=0} f' "$OUT/sass.txt" \
+  awk '/Function : _Z13moe_int4_gemmILi1ELi4ELi4ELi1ELi0E/{f=1;next} /Function :/{f=0} f' "$OUT/sass.txt" \
     | grep -oE '\b(HMMA[.0-9A-Z]*|LDG[.0-9A-Z_]*|LOP3[.A-Z]*|HADD2[.A-Z0-9_]*|HMUL2[.A-Z0-9_]*|HFMA2[.A-Z0-9_]*|LDL|STL|PRMT)\b' \
     | sort | uniq -c | tr '\n' ';'
   echo
