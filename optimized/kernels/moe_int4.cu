@@ -115,8 +115,8 @@ __device__ __forceinline__ void load_act(uint4 (&xa)[XB][NT], uint4 (&xb)[XB][NT
 }
 
 // One 64-wide k chunk of one 16-row tile against NT n-tiles of 8 token columns. With NACC = 2, even and odd k-steps
-// go to two accumulator sets so consecutive HMMAs do not wait on each other (split-K variants keep one set: the
-// registers buy a fourth block per SM, whose warps hide the chain).
+// go to two accumulator sets so consecutive HMMAs do not wait on each other (on sm_120 the split-K variant keeps one
+// set, which fits its 64 registers without a spill).
 template <int NT, int NACC>
 __device__ __forceinline__ void mma_chunk(float (&acc)[NACC][NT][4], uint4 w, u32 sc, const uint4 (&xa)[NT],
                                           const uint4 (&xb)[NT]) {
@@ -164,7 +164,7 @@ template <int NT, int U, int XB, int EPI, bool FUSED, int S = 1>
 __device__ __forceinline__ void gemm_item(
     int item, const uint4* __restrict__ wq, const u32* __restrict__ ws, const u16* __restrict__ act, int ld_act,
     const int* __restrict__ row_of_pos, const int* __restrict__ active, int max_active, void* __restrict__ out,
-    int ld_out, int R, int C, int* __restrict__ done, int need, float (*red)[32][4] = nullptr) {
+    int ld_out, int R, int C, int* __restrict__ done, int need) {
   static_assert(U % XB == 0, "XB must divide U");
   static_assert(S == 1 || (NT == 1 && !FUSED), "split K: NT = 1, two-launch kernels only");
   const int lane = threadIdx.x & 31;
@@ -188,7 +188,11 @@ __device__ __forceinline__ void gemm_item(
         xrow[j] = act + (size_t)row * ld_act + x_off + 16 * t;
       }
     }
-    constexpr int NACC = S > 1 ? 1 : 2;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+    constexpr int NACC = S > 1 ? 1 : 2;          // sm_120: the split-K variant would spill 4 bytes with two sets
+#else
+    constexpr int NACC = 2;
+#endif
     float acc[NACC][NT][4];
 #pragma unroll
     for (int h = 0; h < NACC; ++h)
@@ -232,7 +236,8 @@ __device__ __forceinline__ void gemm_item(
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int i = 0; i < 4; ++i) v[j][i] = NACC == 2 ? acc[0][j][i] + acc[NACC - 1][j][i] : acc[0][j][i];
-    if (S > 1) {                                     // parts 1..S-1 -> part 0, added in part order
+    if constexpr (S > 1) {                           // parts 1..S-1 -> part 0, added in part order
+      __shared__ float red[8][32][4];
       const int bar = 1 + warp / S;
       if (part > 0)
 #pragma unroll
@@ -333,13 +338,12 @@ __global__ void __launch_bounds__(256, S > 1 ? 4 : (NT == 1 && U <= 2) ? 3 : 2) 
     const int* __restrict__ n_active,    // [1]
     void* __restrict__ out, int ld_out,  // EPI 0: bf16 h [P, ld_out]; EPI 1: fp32 y [P, ld_out]
     int R, int C) {
-  __shared__ float red[S > 1 ? 8 : 1][32][4];
   const int per_block = (blockDim.x >> 5) / S;
   const int groups = gridDim.x * per_block;
   const int n_items = n_active[0] * R;
   for (int item = blockIdx.x * per_block + (threadIdx.x >> 5) / S; item < n_items; item += groups)
     gemm_item<NT, U, XB, EPI, false, S>(item, wq, ws, act, ld_act, row_of_pos, active, max_active, out, ld_out, R,
-                                        C, nullptr, 0, red);
+                                        C, nullptr, 0);
 }
 
 // The grouping (P <= 32 pairs) and gate/up in one launch, saving the grouping's kernel boundary: warp 0 of every block
@@ -352,7 +356,6 @@ __global__ void __launch_bounds__(256, S > 1 ? 4 : (NT == 1 && U <= 2) ? 3 : 2) 
     int* __restrict__ pos_of_pair, int* __restrict__ token_of_pos, int* __restrict__ active, int max_active,
     int* __restrict__ n_active, int* __restrict__ sync, u16* __restrict__ out, int ld_out, int R, int C) {
   __shared__ int tab[3 * 32 + 32 + 1];           // active [3][32], token_of_pos [32], n_active
-  __shared__ float red[S > 1 ? 8 : 1][32][4];
   if (threadIdx.x < 32) {
     group_small_warp(idx, P, K, g2l, E, nullptr, tab + 96, tab, 32, tab + 128, nullptr);
     if (blockIdx.x == 0)
@@ -363,8 +366,7 @@ __global__ void __launch_bounds__(256, S > 1 ? 4 : (NT == 1 && U <= 2) ? 3 : 2) 
   const int groups = gridDim.x * per_block;
   const int n_items = tab[128] * R;
   for (int item = blockIdx.x * per_block + (threadIdx.x >> 5) / S; item < n_items; item += groups)
-    gemm_item<NT, U, XB, 0, false, S>(item, wq, ws, act, ld_act, tab + 96, tab, 32, out, ld_out, R, C, nullptr, 0,
-                                      red);
+    gemm_item<NT, U, XB, 0, false, S>(item, wq, ws, act, ld_act, tab + 96, tab, 32, out, ld_out, R, C, nullptr, 0);
 }
 
 // Both GEMMs in one launch: gate/up items first, then down items, handed out in that order from an atomic queue
