@@ -378,13 +378,14 @@ def _fused_name(variant) -> str:
     return "moe_int4_fused<%d,%d,%d>" % variant[:3]
 
 
-def pick_variant(tokens: int, top_k: int, n_experts: int):
+def pick_variant(tokens: int, top_k: int, n_experts: int, split: bool = True):
     """(NT, U, XB, S) for a call. Up to SMALL_PAIRS token-expert pairs (T <= 4 at K = 8) K is split over two
     warps (S = 2), which measured 3-5% faster there (H200). Beyond, NT=1 (8-token passes) with activations batched
     4 chunks deep measured fastest at every T up to 256 under near-uniform routing (bench/results/moe_int4.md):
     with 1-15 tokens per expert the weight stream, not the tokens, is the cost. Only when the likely largest
-    expert (mean + 3 sigma of uniform routing, at most T) needs more than 4 passes do wider n-tiles take over."""
-    if tokens * top_k <= SMALL_PAIRS:
+    expert (mean + 3 sigma of uniform routing, at most T) needs more than 4 passes do wider n-tiles take over.
+    split=False: S = 1 only (the one-launch gate_up_down has no split-K kernel)."""
+    if split and tokens * top_k <= SMALL_PAIRS:
         return (1, 1, 1, 2)
     m = tokens * top_k / max(1, n_experts)
     need = min(tokens, m + 3 * math.sqrt(m) + 1)
@@ -405,9 +406,9 @@ def _variant_key(v) -> tuple:
     return v + (1,) if len(v) == 3 else v
 
 
-def _variant(g: Grouping, n_experts: int, variant):
-    """The caller's (NT, U, XB), checked to be compiled, or `pick_variant`'s choice for this grouping."""
-    variant = _variant_key(variant) if variant is not None else pick_variant(g.tokens, g.top_k, n_experts)
+def _variant(g: Grouping, n_experts: int, variant, split: bool = True):
+    """The caller's (NT, U, XB[, S]), checked to be compiled, or `pick_variant`'s choice for this grouping."""
+    variant = _variant_key(variant) if variant is not None else pick_variant(g.tokens, g.top_k, n_experts, split)
     if variant not in GEMM_VARIANTS:
         raise ValueError(f"moe gemm: variant {variant} not compiled; choose from {GEMM_VARIANTS}")
     return variant
@@ -472,7 +473,7 @@ def gate_up_down(x: torch.Tensor, weights: MoEWeights, grouping: Grouping, varia
     if grouping.fused_used:
         raise ValueError("gate_up_down: this grouping's counters are used up; call group_tokens again")
     xp = _check_x(x, weights)
-    name = _fused_name(_variant(grouping, weights.n_experts, variant))
+    name = _fused_name(_variant(grouping, weights.n_experts, variant, split=False))
     h = _h_buffer(weights, grouping, x.device)
     y = torch.empty(h.shape[0], weights.hidden, dtype=torch.float32, device=x.device)
     r13, c13, r2, c2 = weights.w13.shape[1], weights.w13.shape[2], weights.w2.shape[1], weights.w2.shape[2]
