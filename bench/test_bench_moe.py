@@ -165,8 +165,9 @@ def markdown(res) -> str:
              f"torch {prov.get('torch')}, cupy {prov.get('cupy')}, {prov.get('nvrtc_target')}, commit "
              f"{prov.get('commit')}; copy bandwidth measured here {res['copy_tbps']:.2f} TB/s (ceiling used: "
              f"{CEILING_TBPS} TB/s). Times: device medians over fresh random routings.", "",
-             "`ours` runs gate/up and down in one launch from T*K >= {} pairs (`fused`), else as two launches; "
-             "both are timed on the same routings.".format(moe_k.FUSED_MIN_PAIRS), "",
+             "`ours` runs gate/up and down in one launch from T*K >= {} pairs (`fused`), else as two launches "
+             "(up to {} pairs the token grouping runs inside the gate/up launch and K is split over two warps); "
+             "both are timed on the same routings.".format(moe_k.FUSED_MIN_PAIRS, moe_k.SMALL_PAIRS), "",
              "| T | distinct experts | floor µs | ours µs | TB/s | % of 4.24 | two launches µs | fused µs | "
              "ours full µs | PyTorch ref µs | × ref | grouped bf16 µs | × grouped |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

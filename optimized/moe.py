@@ -530,8 +530,10 @@ def moe_routed(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, weights: MoE
     if idx.shape != w.shape or idx.shape[0] != x.shape[0]:
         raise ValueError(f"moe_routed: idx {tuple(idx.shape)} / w {tuple(w.shape)} do not match x {tuple(x.shape)}")
     t, k = idx.shape
-    variant = _variant_key(variant) if variant is not None else pick_variant(t, k, weights.n_experts)
-    if fused if fused is not None else idx.numel() >= FUSED_MIN_PAIRS and variant[3] == 1:
+    if fused is None:
+        fused = idx.numel() >= FUSED_MIN_PAIRS and (variant is None or _variant_key(variant)[3] == 1)
+    variant = _variant_key(variant) if variant is not None else pick_variant(t, k, weights.n_experts, not fused)
+    if fused:
         g = group_tokens(idx, weights)
         y = gate_up_down(x, weights, g, variant)
     elif idx.numel() <= SMALL_PAIRS:
