@@ -379,13 +379,13 @@ def _fused_name(variant) -> str:
 
 
 def pick_variant(tokens: int, top_k: int, n_experts: int, split: bool = True):
-    """(NT, U, XB, S) for a call. Up to SMALL_PAIRS token-expert pairs (T <= 4 at K = 8) K is split over two
-    warps (S = 2), which measured 3-5% faster there (H200). Beyond, NT=1 (8-token passes) with activations batched
+    """(NT, U, XB, S) for a call. Up to SMALL_PAIRS token-expert pairs (T <= 4 at K = 8) gate/up splits K over two
+    warps (S = 2), which measured 3-5% faster there (H200; down did not gain and stays unsplit). Beyond, NT=1 (8-token passes) with activations batched
     4 chunks deep measured fastest at every T up to 256 under near-uniform routing (bench/results/moe_int4.md):
     with 1-15 tokens per expert the weight stream, not the tokens, is the cost. Only when the likely largest
     expert (mean + 3 sigma of uniform routing, at most T) needs more than 4 passes do wider n-tiles take over.
     split=False: S = 1 only (the one-launch gate_up_down has no split-K kernel)."""
-    if split and tokens * top_k <= SMALL_PAIRS:
+    if split and tokens * top_k <= SMALL_PAIRS:                 # gate/up only: `down` asks with split=False
         return (1, 1, 1, 2)
     m = tokens * top_k / max(1, n_experts)
     need = min(tokens, m + 3 * math.sqrt(m) + 1)
@@ -421,8 +421,8 @@ def _h_buffer(weights: MoEWeights, g: Grouping, device) -> torch.Tensor:
 
 
 def _run_gemm(epi: int, act: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, g: Grouping, out: torch.Tensor,
-              n_experts: int, variant):
-    v = _variant(g, n_experts, variant)
+              n_experts: int, variant, split: bool = True):
+    v = _variant(g, n_experts, variant, split)
     name = _gemm_name(v, epi)
     r, c = wq.shape[1], wq.shape[2]
     a = g.active.shape[1]
@@ -461,9 +461,10 @@ def group_gate_up(x: torch.Tensor, idx: torch.Tensor, weights: MoEWeights, varia
 
 
 def down(h: torch.Tensor, weights: MoEWeights, grouping: Grouping, variant=None) -> torch.Tensor:
-    """y [P, D] fp32 = h W_down^T per sorted pair."""
+    """y [P, D] fp32 = h W_down^T per sorted pair. The default variant never splits K: on the H200 the split was
+    slower for down (T = 1 / 4: 30.2 / 92.2 vs 29.5 / 88.6 us, bench/results/moe_run8/moe_stage_variants.json)."""
     y = torch.empty(h.shape[0], weights.hidden, dtype=torch.float32, device=h.device)
-    _run_gemm(1, h, weights.w2, weights.s2, grouping, y, weights.n_experts, variant)
+    _run_gemm(1, h, weights.w2, weights.s2, grouping, y, weights.n_experts, variant, split=False)
     return y
 
 
@@ -529,10 +530,8 @@ def moe_routed(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, weights: MoE
     _check_x(x, weights)
     if idx.shape != w.shape or idx.shape[0] != x.shape[0]:
         raise ValueError(f"moe_routed: idx {tuple(idx.shape)} / w {tuple(w.shape)} do not match x {tuple(x.shape)}")
-    t, k = idx.shape
     if fused is None:
         fused = idx.numel() >= FUSED_MIN_PAIRS and (variant is None or _variant_key(variant)[3] == 1)
-    variant = _variant_key(variant) if variant is not None else pick_variant(t, k, weights.n_experts, not fused)
     if fused:
         g = group_tokens(idx, weights)
         y = gate_up_down(x, weights, g, variant)
