@@ -145,7 +145,8 @@ def test_repack_round_trip(group, dm, fm, seed):
 
 def emulate_tile_gemm(words, scales, x):
     """What the kernel computes, lane by lane, from the PTX ISA's mma.m16n8k16 bf16 fragment layouts:
-    words int32 [R, C, 32, 4], scales bf16 [R, C, 8, 2, 2], x [N, 64C] -> float64 [16R, N]."""
+    words int32 [R, C, 32, 4], scales bf16 [R, C, 8, 2, 2], x [N, 64C] -> float64 [16R, N]. k-steps 0-1 of a
+    chunk are its first scale group, 2-3 its second; each group's q @ x is scaled per row afterwards."""
     r_, c_ = words.shape[:2]
     n = x.shape[0]
     lane = torch.arange(32)
@@ -153,47 +154,46 @@ def emulate_tile_gemm(words, scales, x):
     y = torch.zeros(r_ * 16, n, dtype=torch.float64)
     for r in range(r_):
         for c in range(c_):
-            sc = scales[r, c].float()                                        # [g, gh, rh]
-            s_lo, s_hi = sc[g, t // 2, 0], sc[g, t // 2, 1]                   # [32]
-            for s in range(4):
-                w = words[r, c, :, s]                                         # [32]
-                regs = []
-                for i in range(4):                                            # (w >> 4i) & 0x000F000F
-                    lo = ((w >> (4 * i)) & 0xF) - 8
-                    hi = ((w >> (4 * i + 16)) & 0xF) - 8
-                    sv = s_lo if i % 2 == 0 else s_hi
-                    regs.append(((lo * sv).to(torch.bfloat16).double(), (hi * sv).to(torch.bfloat16).double()))
-                a = torch.zeros(16, 16, dtype=torch.float64)                  # A fragment (row-major 16x16)
-                for i, (row_off, col_off) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
-                    a[g + row_off, 2 * t + col_off] = regs[i][0]
-                    a[g + row_off, 2 * t + col_off + 1] = regs[i][1]
-                b = torch.zeros(16, n, dtype=torch.float64)                   # B fragment, column n = token
-                for col in range(n):
-                    base = 64 * c + 16 * t + 4 * s
-                    for i in range(2):
-                        b[2 * t + i, col] = x[col, base + i].double()
-                        b[2 * t + 8 + i, col] = x[col, base + 2 + i].double()
-                y[16 * r:16 * r + 16] += a @ b
+            sc = scales[r, c].double()                                        # [g, gh, rh]
+            for h in range(2):
+                part = torch.zeros(16, n, dtype=torch.float64)
+                for s in (2 * h, 2 * h + 1):
+                    w = words[r, c, :, s]                                     # [32]
+                    regs = [(((w >> (4 * i)) & 0xF) - 8, ((w >> (4 * i + 16)) & 0xF) - 8) for i in range(4)]
+                    a = torch.zeros(16, 16, dtype=torch.float64)              # A fragment (row-major 16x16)
+                    for i, (row_off, col_off) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+                        a[g + row_off, 2 * t + col_off] = regs[i][0].double()
+                        a[g + row_off, 2 * t + col_off + 1] = regs[i][1].double()
+                    b = torch.zeros(16, n, dtype=torch.float64)               # B fragment, column n = token
+                    for col in range(n):
+                        base = 64 * c + 32 * h + 8 * t + 4 * (s % 2)
+                        for i in range(2):
+                            b[2 * t + i, col] = x[col, base + i].double()
+                            b[2 * t + 8 + i, col] = x[col, base + 2 + i].double()
+                    part += a @ b
+                row_scale = torch.cat([sc[:, h, 0], sc[:, h, 1]])             # rows g (rh 0), then g + 8 (rh 1)
+                y[16 * r:16 * r + 16] += row_scale[:, None] * part
     return y
 
 
 @pytest.mark.parametrize("d,f", [(64, 32), (96, 32)])
 def test_layout_feeds_mma_fragments(d, f):
-    """Decoding the repacked words the way the kernel does gives dequantize(W) @ x for gate/up/down."""
+    """Decoding the repacked words the way the kernel does gives W @ x for gate/up/down, W = q * s exactly (the
+    kernel never rounds q * s to bf16)."""
     gate, up, down = random_expert(d, f, 32, seed=d)
     w13, s13, w2, s2 = moe_k.repack(gate, up, down, 32)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, d, generator=g).to(torch.bfloat16)
     xp = torch.nn.functional.pad(x, (0, w13.shape[1] * 64 - d))
     y13 = emulate_tile_gemm(w13, s13, xp)                                     # rows: per tile 8 gate, 8 up
-    want_g = dequantize(*gate, (f, d), 32, torch.float32).to(torch.bfloat16).double() @ x.double().T
-    want_u = dequantize(*up, (f, d), 32, torch.float32).to(torch.bfloat16).double() @ x.double().T
+    want_g = dequantize(gate[0], gate[1].double(), (f, d), 32) @ x.double().T
+    want_u = dequantize(up[0], up[1].double(), (f, d), 32) @ x.double().T
     y13 = y13.view(f // 8, 2, 8, -1)
     assert_close(y13[:, 0].reshape(f, -1), want_g, 1e-12, "gate rows of w13")
     assert_close(y13[:, 1].reshape(f, -1), want_u, 1e-12, "up rows of w13")
     h = torch.randn(3, f, generator=g).to(torch.bfloat16)
     hp = torch.nn.functional.pad(h, (0, w2.shape[1] * 64 - f))
-    want_d = dequantize(*down, (d, f), 32, torch.float32).to(torch.bfloat16).double() @ h.double().T
+    want_d = dequantize(down[0], down[1].double(), (d, f), 32) @ h.double().T
     assert_close(emulate_tile_gemm(w2, s2, hp), want_d, 1e-12, "down rows of w2")
 
 
@@ -325,8 +325,9 @@ def test_group_tokens_exact(tokens, experts, top_k, held, seed):
 @pytest.mark.parametrize("hidden,inter,group", [(256, 128, 32), (224, 96, 32), (256, 128, 64)])
 @pytest.mark.parametrize("variant", moe_k.GEMM_VARIANTS)
 def test_stages_vs_dequantized_gemm(hidden, inter, group, variant):
-    """gate_up and down per sorted pair vs float64 GEMMs over the reference dequantization (all variants,
-    padded K chunks, group 64, experts with more tokens than one pass holds)."""
+    """gate_up and down per sorted pair vs float64 GEMMs over the exact weights q * s (the kernels scale each
+    group's fp32 sum, never rounding q * s to bf16 as the reference's bf16 forward does); all variants, padded K
+    chunks, group 64, experts with more tokens than one pass holds."""
     cfg = moe_config(hidden=hidden, inter=inter, experts=6, top_k=3, group=group)
     moe = bf16_moe(cfg, seed=hidden + variant[0])
     w = moe_k.load_moe_weights(moe, cfg)
@@ -339,7 +340,7 @@ def test_stages_vs_dequantized_gemm(hidden, inter, group, variant):
     pos = gr.pos_of_pair.cpu().view(77, 3)
     for e in range(6):
         m = moe.experts[e]
-        wg, wu, wd = (lin.dequantized(torch.bfloat16).double() for lin in (m.gate_proj, m.up_proj, m.down_proj))
+        wg, wu, wd = (lin.dequantized(torch.float64) for lin in (m.gate_proj, m.up_proj, m.down_proj))
         tok, slot = (idx == e).nonzero(as_tuple=True)
         p = pos[tok, slot]
         xe = x[tok].double()

@@ -21,8 +21,12 @@ Weight layout (`repack`; `unrepack` inverts it bit for bit). Per expert and matr
 K padded to Kp = 64*C with q = 0, scale 0:
   words  int32 [N/16, C, 32, 4]      tile r, k chunk c, lane l = 4g + t, word s (k-step s of mma m16n8k16)
   scales bf16  [N/16, C, 8, 2, 2]    [r, c, g, gh, rh] = scale of row 16r + 8rh + g, group 2c + gh
-Inside a chunk, fragment slot j (0..3) of k-step s for lane t reads physical column k = 64c + 16t + 4s + j,
-so a lane's 16 activations per chunk are contiguous (two 16-byte loads) and lie in one group (gh = t // 2).
+Inside a chunk, fragment slot j (0..3) of k-step s for lane t reads physical column
+k = 64c + 32*(s // 2) + 8t + 4*(s % 2) + j: k-steps 0-1 cover scale group 2c, k-steps 2-3 group 2c + 1, and a
+lane's activations per chunk are two runs of 8 (two 16-byte loads, 32 columns apart). The kernel multiplies the
+exact q (bf16) by the activations, sums each group's two k-steps in fp32, then adds scale * sum into the fp32
+accumulator: the scale is never rounded into the weight (the reference rounds q * s to bf16 first, so results
+agree within that rounding, and this is nearer the float64 value).
 Nibble p of a word (u = q + 8) is row 16r + g + 8*(p & 1), slot j = 2*((p >> 1) & 1) + (p >> 2): the kernel
 takes nibble pairs (i, i+4) with one LOP3 into the bf16x2 register the mma A operand wants.
 gate and up are interleaved by tile: rows 0-7 of tile r are gate rows 8r..8r+7, rows 8-15 the up rows of the
@@ -84,8 +88,8 @@ def _nibbles(packed: torch.Tensor, scale: torch.Tensor, n: int, k: int, group_si
         raise ValueError(f"{what}: weight_packed must be int32 [{n}, {k // 8}] (compressed-tensors pack-quantized), "
                          f"got {packed.dtype} {tuple(packed.shape)}")
     if scale.dtype != torch.bfloat16 or tuple(scale.shape) != (n, k // group_size):
-        raise ValueError(f"{what}: weight_scale must be bfloat16 [{n}, {k // group_size}] (the kernels form "
-                         f"bf16(q * s) like the reference), got {scale.dtype} {tuple(scale.shape)}")
+        raise ValueError(f"{what}: weight_scale must be bfloat16 [{n}, {k // group_size}] (the kernels read "
+                         f"bf16 scale pairs), got {scale.dtype} {tuple(scale.shape)}")
     kp = _pad64(k)
     shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
     u = ((packed.unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8).reshape(n, k)
@@ -100,7 +104,7 @@ def _tiles(u: torch.Tensor, sc: torch.Tensor):
     """nibbles [N, Kp] + scales [N, Kp/32] (rows in tile order) -> words int32 [R, C, 32, 4], bf16 [R, C, 8, 2, 2]."""
     n, kp = u.shape
     r, c = n // 16, kp // 64
-    v = u.view(r, 2, 8, c, 4, 4, 2, 2).permute(0, 3, 2, 4, 5, 7, 6, 1)     # [R, C, g, t, s, jb0, jb1, rh]
+    v = u.view(r, 2, 8, c, 2, 4, 2, 2, 2).permute(0, 3, 2, 5, 4, 6, 8, 7, 1)  # [R, C, g, t, sh, sl, jb0, jb1, rh]
     v = v.reshape(r, c, 32, 4, 8).to(torch.int64) << (4 * torch.arange(8, device=u.device))
     words = v.sum(-1)
     words = (words - ((words >> 31) << 32)).to(torch.int32)                  # unsigned 32-bit -> int32 view
@@ -111,8 +115,8 @@ def _tiles(u: torch.Tensor, sc: torch.Tensor):
 def _untiles(words: torch.Tensor, s: torch.Tensor):
     r, c = words.shape[:2]
     shifts = 4 * torch.arange(8, device=words.device, dtype=torch.int32)
-    nib = ((words.unsqueeze(-1) >> shifts) & 0xF).view(r, c, 8, 4, 4, 2, 2, 2)
-    u = nib.permute(0, 7, 2, 1, 3, 4, 6, 5).reshape(r * 16, c * 64)          # back to [R, rh, g, C, t, s, jb1, jb0]
+    nib = ((words.unsqueeze(-1) >> shifts) & 0xF).view(r, c, 8, 4, 2, 2, 2, 2, 2)
+    u = nib.permute(0, 8, 2, 1, 4, 3, 5, 7, 6).reshape(r * 16, c * 64)       # back to [R, rh, g, C, sh, t, sl, jb1, jb0]
     sc = s.permute(0, 4, 2, 1, 3).reshape(r * 16, c * 2)
     return u, sc
 

@@ -16,13 +16,14 @@
 //
 // Weight layout (made once at load by optimized/moe.py `repack`; see its docstring for the full story):
 //   words  uint4 [L, R, C, 32 lanes]   R = rows/16 tiles, C = Kp/64 chunks, one 16-byte load per lane
-//   scales u32   [L, R, C, 16]         bf16 pairs (row g, row g+8) of group 2c + t/2 at index 2g + t/2
+//   scales u32   [L, R, C, 16]         bf16 pairs (row g, row g+8) of group 2c + h at index 2g + h: one 8-byte load
 //   Word s of lane (g = lane/4, t = lane%4) holds the A fragment of k-step s of mma m16n8k16 with the k axis
-//   permuted inside each 64-chunk (physical k = 16t + 4s + j for fragment slot j) so that the same lane's B
-//   fragment is 16 consecutive activations (two 16-byte loads) and its scale is one group for the chunk.
+//   permuted inside each 64-chunk (physical k = 32*(s/2) + 8t + 4*(s%2) + j for fragment slot j): k-steps 0-1 are
+//   the chunk's first scale group, 2-3 its second, and the lane's B fragment is two runs of 8 activations.
 //   Nibble p of a word: row g + 8*(p&1), slot j = 2*((p>>1)&1) + (p>>2); value u = q + 8.
-//   Dequant: (w >> 4i) & 0x000F000F | 0x43004300 = bf16 pair (128+u), minus 136 = q exactly, times the bf16
-//   scale = bf16(q*s), the same rounding as the reference's q*s cast to bf16.  fp32 accumulation.
+//   Dequant: (w >> 4i) & 0x000F000F | 0x43004300 = bf16 pair (128+u), minus 136 = q exactly; the mma sums q*x
+//   over a group's two k-steps in fp32, one FFMA adds scale * sum to the accumulator (no bf16 rounding of q*s,
+//   unlike the reference's dequantize: 16 HMUL2 per chunk become 8 FFMA).
 //
 // Launch geometry: 256 threads (8 warps) per block, grid = SMs x resident blocks (capped by the work); each
 //   warp walks items w, w + warps, ...; items = n_active * R read from device memory (no host sync).  For T=1
@@ -48,9 +49,9 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {       // weights: r
   return v;
 }
 
-__device__ __forceinline__ u32 ld_stream32(const u32* p) {
-  u32 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.u32 %0, [%1];" : "=r"(v) : "l"(p));
+__device__ __forceinline__ uint2 ld_stream64(const u32* p) {
+  uint2 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
   return v;
 }
 
@@ -67,13 +68,13 @@ __device__ __forceinline__ uint4 ld_weak(const void* p) {          // data writt
   return v;
 }
 
-// (w >> 4i) nibble pair -> bf16x2 (q * s) with q = u - 8 exact, one rounding in the multiply.
-__device__ __forceinline__ u32 dequant2(u32 w, u32 scale2) {
-  u32 v, q, r;
+// (w >> 4i) nibble pair -> bf16x2 q = u - 8 (exact: bf16 128 + u by LOP3, minus 136). The scale is applied to
+// the fp32 mma result of the group (mma_chunk), not here.
+__device__ __forceinline__ u32 dequant2(u32 w) {
+  u32 v, q;
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(v) : "r"(w), "r"(0x000F000Fu), "r"(0x43004300u));
   asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(q) : "r"(v), "r"(0x43084308u));
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(q), "r"(scale2));
-  return r;
+  return q;
 }
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -105,7 +106,7 @@ __device__ __forceinline__ void load_act(uint4 (&xa)[XB][NT], uint4 (&xb)[XB][NT
       if (xrow[j] != nullptr && c0 + u < C) {
         const uint4* p = reinterpret_cast<const uint4*>(xrow[j] + (c0 + u) * 64);
         xa[u][j] = WEAK ? ld_weak(p) : ld_act(p);
-        xb[u][j] = WEAK ? ld_weak(p + 1) : ld_act(p + 1);
+        xb[u][j] = WEAK ? ld_weak(p + 4) : ld_act(p + 4);     // 32 columns on: the chunk's second group
       } else {
         xa[u][j] = make_uint4(0u, 0u, 0u, 0u);
         xb[u][j] = make_uint4(0u, 0u, 0u, 0u);
@@ -114,29 +115,50 @@ __device__ __forceinline__ void load_act(uint4 (&xa)[XB][NT], uint4 (&xb)[XB][NT
   }
 }
 
-// One 64-wide k chunk of one 16-row tile against NT n-tiles of 8 token columns. With NACC = 2, even and odd k-steps
-// go to two accumulator sets so consecutive HMMAs do not wait on each other (on sm_120 the split-K variant keeps one
-// set, which fits its 64 registers without a spill).
-template <int NT, int NACC>
-__device__ __forceinline__ void mma_chunk(float (&acc)[NACC][NT][4], uint4 w, u32 sc, const uint4 (&xa)[NT],
+// acc += scale * part for one scale group: pair = bf16 (scale of row g | scale of row g+8).
+template <int NT>
+__device__ __forceinline__ void scale_add(float (&acc)[NT][4], u32 pair, const float (&part)[NT][4]) {
+  const float s_lo = __uint_as_float(pair << 16), s_hi = __uint_as_float(pair & 0xFFFF0000u);
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    acc[j][0] = fmaf(s_lo, part[j][0], acc[j][0]);
+    acc[j][1] = fmaf(s_lo, part[j][1], acc[j][1]);
+    acc[j][2] = fmaf(s_hi, part[j][2], acc[j][2]);
+    acc[j][3] = fmaf(s_hi, part[j][3], acc[j][3]);
+  }
+}
+
+// One 64-wide k chunk of one 16-row tile against NT n-tiles of 8 token columns. k-steps 0-1 hold the chunk's first
+// scale group (32 columns), k-steps 2-3 the second: each group's two HMMAs sum q * x exactly-rounded in fp32 from
+// zero (two independent chains), then one FFMA per accumulator adds scale * sum (rows g and g+8 have their own
+// scale; sc = (group 0: rows g, g+8 | group 1: rows g, g+8) as bf16 pairs), group 0 first.
+// LOW_REG (the split-K variant, 64 registers): one partial-sum set, group 0 scaled before group 1 starts (same
+// arithmetic, one chain at a time).
+template <int NT, bool LOW_REG = false>
+__device__ __forceinline__ void mma_chunk(float (&acc)[NT][4], uint4 w, uint2 sc, const uint4 (&xa)[NT],
                                           const uint4 (&xb)[NT]) {
-  const u32 s_lo = __byte_perm(sc, 0, 0x1010);   // (s[g], s[g]) for rows g
-  const u32 s_hi = __byte_perm(sc, 0, 0x3232);   // (s[g+8], s[g+8]) for rows g+8
   const u32 wv[4] = {w.x, w.y, w.z, w.w};
+  constexpr int NP = LOW_REG ? 1 : 2;
+  float part[NP][NT][4];
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
+    if (LOW_REG && s == 2) scale_add<NT>(acc, sc.x, part[0]);
     const u32 q = wv[s];
-    const u32 a0 = dequant2(q, s_lo);          // row g,   k slots 0,1
-    const u32 a1 = dequant2(q >> 4, s_hi);     // row g+8, k slots 0,1
-    const u32 a2 = dequant2(q >> 8, s_lo);     // row g,   k slots 2,3
-    const u32 a3 = dequant2(q >> 12, s_hi);    // row g+8, k slots 2,3
+    const u32 a0 = dequant2(q);          // row g,   k slots 0,1
+    const u32 a1 = dequant2(q >> 4);     // row g+8, k slots 0,1
+    const u32 a2 = dequant2(q >> 8);     // row g,   k slots 2,3
+    const u32 a3 = dequant2(q >> 12);    // row g+8, k slots 2,3
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
       const u32 b0 = s == 0 ? xa[j].x : s == 1 ? xa[j].z : s == 2 ? xb[j].x : xb[j].z;
       const u32 b1 = s == 0 ? xa[j].y : s == 1 ? xa[j].w : s == 2 ? xb[j].y : xb[j].w;
-      mma_bf16(acc[s & (NACC - 1)][j], a0, a1, a2, a3, b0, b1);
+      float (&pj)[4] = part[(s >> 1) % NP][j];
+      if ((s & 1) == 0) pj[0] = pj[1] = pj[2] = pj[3] = 0.f;
+      mma_bf16(pj, a0, a1, a2, a3, b0, b1);
     }
   }
+  if (!LOW_REG) scale_add<NT>(acc, sc.x, part[0]);
+  scale_add<NT>(acc, sc.y, part[NP - 1]);
 }
 
 // Expert a's gate/up tiles done (fused kernel): `done` counts finished items per active expert; a down item reads
@@ -175,7 +197,7 @@ __device__ __forceinline__ void gemm_item(
   const size_t tile = (size_t)e * R + r;
   const int cb = part * C / S, ce = (part + 1) * C / S;          // this part's chunks [cb, ce)
   const uint4* wt = wq + (tile * C + cb) * 32 + lane;
-  const u32* st = ws + (tile * C + cb) * 16 + (g * 2 + (t >> 1));
+  const u32* st = ws + (tile * C + cb) * 16 + g * 2;
   const int x_off = cb * 64;                                    // activation columns before this part's chunks
   for (int n0 = 0; n0 < cnt; n0 += NT * 8) {
     const u16* xrow[NT];
@@ -185,38 +207,31 @@ __device__ __forceinline__ void gemm_item(
       xrow[j] = nullptr;
       if (n < cnt) {
         const int row = EPI == 0 ? row_of_pos[base + n] : base + n;
-        xrow[j] = act + (size_t)row * ld_act + x_off + 16 * t;
+        xrow[j] = act + (size_t)row * ld_act + x_off + 8 * t;
       }
     }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
-    constexpr int NACC = S > 1 ? 1 : 2;          // sm_120: the split-K variant would spill 4 bytes with two sets
-#else
-    constexpr int NACC = 2;
-#endif
-    float acc[NACC][NT][4];
+    float acc[NT][4];
 #pragma unroll
-    for (int h = 0; h < NACC; ++h)
-#pragma unroll
-      for (int j = 0; j < NT; ++j) acc[h][j][0] = acc[h][j][1] = acc[h][j][2] = acc[h][j][3] = 0.f;
+    for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 
     const int Cn = ce - cb;
     uint4 cw[U];
-    u32 cs[U];
+    uint2 cs[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if (u < Cn) { cw[u] = ld_stream(wt + (size_t)u * 32); cs[u] = ld_stream32(st + (size_t)u * 16); }
-      else { cw[u] = make_uint4(0u, 0u, 0u, 0u); cs[u] = 0u; }
+      if (u < Cn) { cw[u] = ld_stream(wt + (size_t)u * 32); cs[u] = ld_stream64(st + (size_t)u * 16); }
+      else { cw[u] = make_uint4(0u, 0u, 0u, 0u); cs[u] = make_uint2(0u, 0u); }
     }
     if (FUSED && EPI == 1 && n0 == 0)                // the first weights are in flight; now wait for h
       while (ld_acquire(done + a) < need) __nanosleep(32);
     for (int c0 = 0; c0 < Cn; c0 += U) {
       uint4 nw[U];
-      u32 ns[U];
+      uint2 ns[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int c = c0 + U + u;
-        if (c < Cn) { nw[u] = ld_stream(wt + (size_t)c * 32); ns[u] = ld_stream32(st + (size_t)c * 16); }
-        else { nw[u] = make_uint4(0u, 0u, 0u, 0u); ns[u] = 0u; }
+        if (c < Cn) { nw[u] = ld_stream(wt + (size_t)c * 32); ns[u] = ld_stream64(st + (size_t)c * 16); }
+        else { nw[u] = make_uint4(0u, 0u, 0u, 0u); ns[u] = make_uint2(0u, 0u); }
       }
 #pragma unroll
       for (int u0 = 0; u0 < U; u0 += XB) {
@@ -224,18 +239,14 @@ __device__ __forceinline__ void gemm_item(
         load_act<NT, XB, FUSED && EPI == 1>(xa, xb, xrow, c0 + u0, Cn);
 #pragma unroll
         for (int u = 0; u < XB; ++u)
-          if (c0 + u0 + u < Cn) mma_chunk<NT, NACC>(acc, cw[u0 + u], cs[u0 + u], xa[u], xb[u]);
+          if (c0 + u0 + u < Cn) mma_chunk<NT, (S > 1)>(acc, cw[u0 + u], cs[u0 + u], xa[u], xb[u]);
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) { cw[u] = nw[u]; cs[u] = ns[u]; }
     }
 
-    // C fragment: acc[.][j][0..1] = row g, columns 2t, 2t+1; acc[.][j][2..3] = row g+8, same columns.
-    float v[NT][4];
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) v[j][i] = NACC == 2 ? acc[0][j][i] + acc[NACC - 1][j][i] : acc[0][j][i];
+    // C fragment: v[j][0..1] = row g, columns 2t, 2t+1; v[j][2..3] = row g+8, same columns.
+    float (&v)[NT][4] = acc;
     if constexpr (S > 1) {                           // parts 1..S-1 -> part 0, added in part order
       __shared__ float red[8][32][4];
       const int bar = 1 + warp / S;
