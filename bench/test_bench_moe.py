@@ -84,8 +84,7 @@ def measure(layer, tokens, reps=20, ref_reps=3, grouped=None) -> dict:
     routes = random_routes(layer, tokens, reps)
     distinct = [int(i.unique().numel()) for _, i, _ in routes]
     row = {"tokens": tokens, "distinct": median(distinct), "bytes": median(distinct) * per_expert,
-           "variant": list(moe_k.pick_variant(tokens, cfg.num_experts_per_tok, cfg.n_routed_experts)),
-           "down_variant": list(moe_k.pick_variant(tokens, cfg.num_experts_per_tok, cfg.n_routed_experts, False))}
+           "variant": list(moe_k.pick_variant(tokens, cfg.num_experts_per_tok, cfg.n_routed_experts))}
     row["floor_us"] = row["bytes"] / (CEILING_TBPS * 1e12) * 1e6
 
     def bw(times):

@@ -61,8 +61,7 @@ _KERNELS = Path(__file__).resolve().parent / "kernels"
 # item splitting K): the instantiations compiled (each also in the .cu's MOE_NVCC_CHECK list). (1, 4, 4, 1) was
 # the fastest on the H200 at every T from 1 to 256 (bench/results/moe_int4.md); NT=4 serves experts with > 32
 # tokens. S = 2 (split K, <= 64 registers so 4 blocks per SM) doubles the warps in flight when there are few items:
-# 3-5% faster gate/up at T = 1..4 (bench/results/moe_notes.md, run 8; (1, 2, 2, 2) and (1, 2, 1, 2) were as fast
-# but spill at 64 registers). Only S = 1 variants have a one-launch (fused) kernel.
+# 4-5% faster at T = 1..4 (bench/results/moe_notes.md, runs 8-9). Only S = 1 variants have a one-launch kernel.
 GEMM_VARIANTS = ((1, 4, 4, 1), (1, 4, 1, 1), (1, 2, 2, 1), (4, 1, 1, 1), (1, 1, 1, 2))
 _WARPS = 8
 # moe_routed runs gate/up and down as one launch from this many token-expert pairs: on the H200 the fused launch
@@ -383,13 +382,13 @@ def _fused_name(variant) -> str:
 
 
 def pick_variant(tokens: int, top_k: int, n_experts: int, split: bool = True):
-    """(NT, U, XB, S) for a call. Up to SMALL_PAIRS token-expert pairs (T <= 4 at K = 8) gate/up splits K over two
-    warps (S = 2), which measured 3-5% faster there (H200; down did not gain and stays unsplit). Beyond, NT=1 (8-token passes) with activations batched
+    """(NT, U, XB, S) for a call. Up to SMALL_PAIRS token-expert pairs (T <= 4 at K = 8) K is split over two warps
+    (S = 2): gate/up 4-5% and down 4% faster there (H200, bench/results/moe_run9/moe_stage_variants.json). Beyond, NT=1 (8-token passes) with activations batched
     4 chunks deep measured fastest at every T up to 256 under near-uniform routing (bench/results/moe_int4.md):
     with 1-15 tokens per expert the weight stream, not the tokens, is the cost. Only when the likely largest
     expert (mean + 3 sigma of uniform routing, at most T) needs more than 4 passes do wider n-tiles take over.
     split=False: S = 1 only (the one-launch gate_up_down has no split-K kernel)."""
-    if split and tokens * top_k <= SMALL_PAIRS:                 # gate/up only: `down` asks with split=False
+    if split and tokens * top_k <= SMALL_PAIRS:
         return (1, 1, 1, 2)
     m = tokens * top_k / max(1, n_experts)
     need = min(tokens, m + 3 * math.sqrt(m) + 1)
@@ -425,8 +424,8 @@ def _h_buffer(weights: MoEWeights, g: Grouping, device) -> torch.Tensor:
 
 
 def _run_gemm(epi: int, act: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, g: Grouping, out: torch.Tensor,
-              n_experts: int, variant, split: bool = True):
-    v = _variant(g, n_experts, variant, split)
+              n_experts: int, variant):
+    v = _variant(g, n_experts, variant)
     name = _gemm_name(v, epi)
     r, c = wq.shape[1], wq.shape[2]
     a = g.active.shape[1]
@@ -465,10 +464,9 @@ def group_gate_up(x: torch.Tensor, idx: torch.Tensor, weights: MoEWeights, varia
 
 
 def down(h: torch.Tensor, weights: MoEWeights, grouping: Grouping, variant=None) -> torch.Tensor:
-    """y [P, D] fp32 = h W_down^T per sorted pair. The default variant never splits K: on the H200 the split was
-    slower for down (T = 1 / 4: 30.2 / 92.2 vs 29.5 / 88.6 us, bench/results/moe_run8/moe_stage_variants.json)."""
+    """y [P, D] fp32 = h W_down^T per sorted pair."""
     y = torch.empty(h.shape[0], weights.hidden, dtype=torch.float32, device=h.device)
-    _run_gemm(1, h, weights.w2, weights.s2, grouping, y, weights.n_experts, variant, split=False)
+    _run_gemm(1, h, weights.w2, weights.s2, grouping, y, weights.n_experts, variant)
     return y
 
 

@@ -92,19 +92,31 @@ __device__ __forceinline__ u16 f2bf(float f) {
 
 __device__ __forceinline__ float bf2f(u16 h) { return __uint_as_float(((u32)h) << 16); }
 
+// A token row's activations: a pointer (nullptr: no token), or for the split-K variant an int element offset into
+// act (-1: no token), one register instead of two (the variant has 64).
+template <bool B, class T, class F> struct Pick { typedef T type; };
+template <class T, class F> struct Pick<false, T, F> { typedef F type; };
+__device__ __forceinline__ const u16* row_at(const u16*, const u16* x) { return x; }
+__device__ __forceinline__ const u16* row_at(const u16* act, int x) { return x >= 0 ? act + x : nullptr; }
+__device__ __forceinline__ const u16* no_row(const u16*) { return nullptr; }
+__device__ __forceinline__ int no_row(int) { return -1; }
+__device__ __forceinline__ void set_row(const u16*& x, const u16* act, size_t off) { x = act + off; }
+__device__ __forceinline__ void set_row(int& x, const u16*, size_t off) { x = (int)off; }
+
 // Activations of XB consecutive chunks for NT n-tiles: lane (g, t) reads 16 consecutive values of its token
 // row per chunk (two 16-byte loads). Issued together before the chunks' math so the L1/L2 latency is paid once
 // per XB chunks, not once per chunk (the per-warp dependency chain is what bounds T=1, where each warp owns one
 // 16-row tile).
-template <int NT, int XB, bool WEAK = false>
-__device__ __forceinline__ void load_act(uint4 (&xa)[XB][NT], uint4 (&xb)[XB][NT], const u16* const (&xrow)[NT],
+template <int NT, int XB, bool WEAK = false, class XRow>
+__device__ __forceinline__ void load_act(uint4 (&xa)[XB][NT], uint4 (&xb)[XB][NT], const u16* act, const XRow (&xrow)[NT],
                                          int c0, int C) {
 #pragma unroll
   for (int u = 0; u < XB; ++u) {
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
-      if (xrow[j] != nullptr && c0 + u < C) {
-        const uint4* p = reinterpret_cast<const uint4*>(xrow[j] + (c0 + u) * 64);
+      const u16* row = row_at(act, xrow[j]);
+      if (row != nullptr && c0 + u < C) {
+        const uint4* p = reinterpret_cast<const uint4*>(row + (c0 + u) * 64);
         xa[u][j] = WEAK ? ld_weak(p) : ld_act(p);
         xb[u][j] = WEAK ? ld_weak(p + 4) : ld_act(p + 4);     // 32 columns on: the chunk's second group
       } else {
@@ -200,14 +212,14 @@ __device__ __forceinline__ void gemm_item(
   const u32* st = ws + (tile * C + cb) * 16 + g * 2;
   const int x_off = cb * 64;                                    // activation columns before this part's chunks
   for (int n0 = 0; n0 < cnt; n0 += NT * 8) {
-    const u16* xrow[NT];
+    typename Pick<(S > 1), int, const u16*>::type xrow[NT];    // the token's row (split K: an int offset)
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
       const int n = n0 + j * 8 + g;
-      xrow[j] = nullptr;
+      xrow[j] = no_row(xrow[j]);
       if (n < cnt) {
         const int row = EPI == 0 ? row_of_pos[base + n] : base + n;
-        xrow[j] = act + (size_t)row * ld_act + x_off + 8 * t;
+        set_row(xrow[j], act, (size_t)row * ld_act + x_off + 8 * t);
       }
     }
     float acc[NT][4];
@@ -236,7 +248,7 @@ __device__ __forceinline__ void gemm_item(
 #pragma unroll
       for (int u0 = 0; u0 < U; u0 += XB) {
         uint4 xa[XB][NT], xb[XB][NT];
-        load_act<NT, XB, FUSED && EPI == 1>(xa, xb, xrow, c0 + u0, Cn);
+        load_act<NT, XB, FUSED && EPI == 1>(xa, xb, act, xrow, c0 + u0, Cn);
 #pragma unroll
         for (int u = 0; u < XB; ++u)
           if (c0 + u0 + u < Cn) mma_chunk<NT, (S > 1)>(acc, cw[u0 + u], cs[u0 + u], xa[u], xb[u]);
@@ -286,6 +298,14 @@ __device__ __forceinline__ void gemm_item(
     if (lane == 0) atomicAdd(done + a, 1);
   }
 }
+
+// Split-K variants: 64 registers for 4 blocks (32 warps) per SM. On sm_120 that spills 4-12 bytes (nvcc 13.0), so
+// there they keep 3 blocks (80 registers); moe.py sizes the grid from the registers the kernel got.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+#define SPLIT_MIN_BLOCKS 3
+#else
+#define SPLIT_MIN_BLOCKS 4
+#endif
 
 // ---- token -> expert grouping for <= 32 token-expert pairs -------------------------------------------------------
 // One warp, lane p = pair p; every count is a loop over the other lanes' local experts by shuffle. The same table as
@@ -338,7 +358,7 @@ extern "C" __global__ void __launch_bounds__(32) moe_group_small(
 
 // One GEMM: each warp (each group of S warps) walks items w, w + warps, ... of n_active * R.
 template <int NT, int U, int XB, int S, int EPI>
-__global__ void __launch_bounds__(256, S > 1 ? 4 : (NT == 1 && U <= 2) ? 3 : 2) moe_int4_gemm(
+__global__ void __launch_bounds__(256, S > 1 ? SPLIT_MIN_BLOCKS : (NT == 1 && U <= 2) ? 3 : 2) moe_int4_gemm(
     const uint4* __restrict__ wq,        // [L, R, C, 32]
     const u32* __restrict__ ws,          // [L, R, C, 16]
     const u16* __restrict__ act,         // bf16 input rows, row stride ld_act (= C*64) elements
@@ -361,7 +381,7 @@ __global__ void __launch_bounds__(256, S > 1 ? 4 : (NT == 1 && U <= 2) ? 3 : 2) 
 // groups the pairs into shared memory (block 0 also writes the global tables that down and combine read), then the
 // block's warps run moe_int4_gemm<..., EPI 0>'s items off the shared table: h is bitwise that of the two launches.
 template <int NT, int U, int XB, int S>
-__global__ void __launch_bounds__(256, S > 1 ? 4 : (NT == 1 && U <= 2) ? 3 : 2) moe_int4_gate_up_grouped(
+__global__ void __launch_bounds__(256, S > 1 ? SPLIT_MIN_BLOCKS : (NT == 1 && U <= 2) ? 3 : 2) moe_int4_gate_up_grouped(
     const uint4* __restrict__ wq, const u32* __restrict__ ws, const u16* __restrict__ act, int ld_act,
     const long long* __restrict__ idx, int P, int K, const int* __restrict__ g2l, int E,
     int* __restrict__ pos_of_pair, int* __restrict__ token_of_pos, int* __restrict__ active, int max_active,
