@@ -23,7 +23,7 @@ from reference import tree as ref
 
 SIM_CHILD = os.environ.get("DDTREE_NUMBA_SIM_CHILD") == "1"
 SOAK = os.environ.get("HYPOTHESIS_PROFILE") == "soak"
-KINDS = ("normal", "integer", "equal", "peaked", "masked")
+KINDS = ("normal", "integer", "equal", "peaked", "masked", "collapse")
 
 
 def logits(kind: str, depth: int, vocab: int, seed: int, device="cpu") -> torch.Tensor:
@@ -40,6 +40,9 @@ def logits(kind: str, depth: int, vocab: int, seed: int, device="cpu") -> torch.
     elif kind == "masked":
         x[torch.rand(depth, vocab, generator=g) < 0.5] = float("-inf")
         x[:, -1] = 1.0
+    elif kind == "collapse":              # distinct logits whose log-probs round to one fp32 value: ties in lp
+        x = torch.randn(depth, vocab, generator=g) * 1e-6   # (|x - lse| ~ 12.7: an fp32 ulp there is ~1e-6)
+        x[:, : max(1, vocab // 8)] = 12.0
     elif kind == "draftlike":             # one favourite per depth, top-1 probability ~0.6 to ~0.995
         top = torch.randint(0, vocab, (depth,), generator=g)
         x[torch.arange(depth), top] += 17 + 5 * torch.rand(depth, generator=g)
@@ -198,9 +201,8 @@ from optimized.kernels import tree_beam as B, tree_topk as K, tree_verify as V
 A = lambda dt, nd: types.Array(dt, nd, "C")
 i64, f32, f64, i32, i16 = types.int64, types.float32, types.float64, types.int32, types.int16
 kernels = {
-    "topk_stats": (K.topk_stats, (A(f32, 2), i64, i64, A(f64, 2), A(f64, 2), A(f64, 1), A(i32, 3), A(i32, 2),
-                                  A(i32, 1))),
-    "topk_hist": (K.topk_hist, (A(f32, 2), i64, i64, A(f64, 1), A(i32, 3), A(i64, 2), i64, i64)),
+    "topk_stats": (K.topk_stats, (A(f32, 2), i64, i64, A(f64, 2), A(f64, 2), A(f64, 1), A(i32, 3), A(i32, 1))),
+    "topk_hist": (K.topk_hist, (A(f32, 2), i64, i64, A(i32, 3), A(i64, 2), i64, i64)),
     "topk_gather": (K.topk_gather, (A(f32, 2), i64, i64, A(f64, 1), A(i32, 3), A(i64, 2), i64, A(i32, 2),
                                     A(i64, 2), A(i32, 3), A(i32, 2), A(f32, 2), A(i64, 2))),
     "beam": (B.beam, (A(f32, 2), A(i64, 2), i64, i64, A(i64, 3), A(i64, 2), A(f64, 1), A(i32, 1), A(i64, 1),

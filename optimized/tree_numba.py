@@ -159,13 +159,13 @@ def _workspace(device, depth, vocab, k, budget, cfg) -> _Workspace:
 
 
 def _topk_stage(x, vocab: int, k: int, ws: _Workspace, cfg: Config, s) -> None:
-    """Five launches: ws.top_lp / ws.top_id [L, K] = the per-depth candidates by rank."""
+    """Four launches: ws.top_lp / ws.top_id [L, K] = the per-depth candidates by rank. The histograms and
+    counters are zero on entry (workspace creation) and left zero by topk_gather."""
     a = ws.a
     grid, tpb = (ws.parts, a["lse"].shape[0]), cfg.topk_threads
-    topk_stats[grid, tpb, s](x, vocab, ws.chunk, a["part_m"], a["part_s"], a["lse"], a["hist"], a["counters"],
-                             a["done"])
-    for level in range(3):
-        topk_hist[grid, tpb, s](x, vocab, ws.chunk, a["lse"], a["hist"], a["sel"], level, k)
+    topk_stats[grid, tpb, s](x, vocab, ws.chunk, a["part_m"], a["part_s"], a["lse"], a["hist"], a["done"])
+    for level in (1, 2):
+        topk_hist[grid, tpb, s](x, vocab, ws.chunk, a["hist"], a["sel"], level, k)
     topk_gather[grid, tpb, s](x, vocab, ws.chunk, a["lse"], a["hist"], a["sel"], k, a["counters"], a["cand"],
                               a["eq_ids"], a["eq_cnt"], a["top_lp"], a["top_id"])
 

@@ -47,6 +47,11 @@ if SIM:
     def f32_bits(x):
         """The int32 bit pattern of an fp32 value."""
         return np.int64(np.array([x], dtype=np.float32).view(np.int32)[0])
+
+    @cuda.jit(device=True)
+    def f32_from_bits(b):
+        """The fp32 value of an int32 bit pattern."""
+        return np.array([b], dtype=np.int64).astype(np.int32).view(np.float32)[0]
 else:
     @cuda.jit(device=True, inline=True)
     def shfl_up(x, off, buf):
@@ -59,6 +64,10 @@ else:
     @cuda.jit(device=True, inline=True)
     def f32_bits(x):
         return np.int64(cuda.libdevice.float_as_int(x))
+
+    @cuda.jit(device=True, inline=True)
+    def f32_from_bits(b):
+        return cuda.libdevice.int_as_float(np.int32(b))
 
 
 @cuda.jit(device=True)
@@ -117,3 +126,11 @@ def sortable_key(f):
     if b < 0:
         return np.int64(0x7FFFFFFF) - (b & 0x7FFFFFFF)
     return np.int64(0x80000000) + b
+
+
+@cuda.jit(device=True)
+def key_value(key):
+    """Inverse of sortable_key: the fp32 value of a key in [0, 2^32)."""
+    if key >= np.int64(0x80000000):
+        return f32_from_bits(key - np.int64(0x80000000))
+    return f32_from_bits((np.int64(0x7FFFFFFF) - key) - np.int64(0x80000000))
