@@ -59,8 +59,8 @@ __all__ = ["MoEWeights", "Grouping", "compile_target", "repack", "unrepack", "pa
 _KERNELS = Path(__file__).resolve().parent / "kernels"
 # (NT n-tiles of 8 tokens per pass, U chunks per register stage, XB chunks per activation batch, S warps per
 # item splitting K): the instantiations compiled (each also in the .cu's MOE_NVCC_CHECK list). (1, 4, 4, 1) was
-# the fastest on the H200 at every T from 1 to 256 (bench/results/moe_int4.md); NT=4 serves experts with > 32
-# tokens. S = 2 (split K, <= 64 registers so 4 blocks per SM) doubles the warps in flight when there are few items:
+# the fastest unsplit variant on the H200 at every T from 1 to 256 (bench/results/moe_int4.md); NT=4 serves
+# experts with > 32 tokens. S = 2 (split K, <= 64 registers so 4 blocks per SM) doubles the warps in flight when there are few items:
 # 4-5% faster at T = 1..4 (bench/results/moe_notes.md, runs 8-9). Only S = 1 variants have a one-launch kernel.
 GEMM_VARIANTS = ((1, 4, 4, 1), (1, 4, 1, 1), (1, 2, 2, 1), (4, 1, 1, 1), (1, 1, 1, 2))
 _WARPS = 8

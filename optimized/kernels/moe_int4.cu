@@ -28,16 +28,19 @@
 // Launch geometry: 256 threads (8 warps) per block, grid = SMs x resident blocks (capped by the work); each
 //   warp walks items w, w + warps, ...; items = n_active * R read from device memory (no host sync).  For T=1
 //   (8 experts) gate+up has 8*256 = 2048 items and down 8*448 = 3584 items: every SM gets ~15-27 warps, and a
-//   warp's own dependency chain (activation latency, HMMA accumulator chain) bounds T=1, hence XB and the two
-//   accumulator sets.  An expert with more than 8*NT tokens re-streams its tile per further 8*NT tokens.
+//   warp's own dependency chain (activation latency, HMMA chains) bounds T=1, hence XB, the two per-group HMMA
+//   chains and, for <= 32 pairs, the split-K variant (S = 2: 32 warps per SM at 64 registers).  An expert with
+//   more than 8*NT tokens re-streams its tile per further 8*NT tokens.
 //
 // Napkin math (K2.6: D 7168, F 2048, group 32): per expert gate+up 14.68 MB nibbles + 1.84 MB scales, down
 //   7.34 + 0.92 MB: 24.77 MB.  T=1 touches 8 experts = 198 MB -> 46.7 us at 4.24 TB/s; T=64 ~284 experts =
 //   7.0 GB -> 1.66 ms.  Flops 2*3*7168*2048 = 88 MFLOP per token-expert pair: 45 GFLOP at T=64 (~0.1 ms of
-//   mma.sync), so T <= ~1000 stays bandwidth-bound.  Per 512-byte chunk a warp issues ~64 ALU (LOP3, SHF,
-//   HSUB2, HMUL2) + 4*NT HMMA: ~27 us of issue at T=1 spread over 132 SMs, under the 47 us byte floor.
-//   Expected bound: HBM bandwidth.  Measured (H200, variant (1,4,4)): T=1 82 us = 57% of 4.24 TB/s, T=8..128
-//   76-80%, T=256 68% (bench/results/moe_int4.md); T=1 is bound by per-warp chains and fixed launch costs.
+//   mma.sync), so T <= ~1000 stays bandwidth-bound.  Per 512-byte chunk a warp issues ~44 ALU (LOP3, SHF,
+//   HSUB2) + 4*NT HMMA + 8*NT FFMA: ~20 us of issue at T=1 spread over 132 SMs, under the 47 us byte floor.
+//   Expected bound: HBM bandwidth.  Measured (H200, commit 3803171): T=1 77 us = 61% of 4.24 TB/s, T=8..128
+//   81-84%, T=256 73% (bench/results/moe_int4.md). Reading the T=1 gate/up bytes alone in this access pattern
+//   takes 36 us (bench/moe_read_probe.py) against the kernel's 44: T=1 is bound by per-warp chains, the math
+//   and four launch boundaries.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
