@@ -36,7 +36,7 @@
 //   7.34 + 0.92 MB: 24.77 MB.  T=1 touches 8 experts = 198 MB -> 46.7 us at 4.24 TB/s; T=64 ~284 experts =
 //   7.0 GB -> 1.66 ms.  Flops 2*3*7168*2048 = 88 MFLOP per token-expert pair: 45 GFLOP at T=64 (~0.1 ms of
 //   mma.sync), so T <= ~1000 stays bandwidth-bound.  Per 512-byte chunk a warp issues ~44 ALU (LOP3, SHF,
-//   HSUB2) + 4*NT HMMA + 8*NT FFMA: ~20 us of issue at T=1 spread over 132 SMs, under the 47 us byte floor.
+//   HSUB2) + 4*NT HMMA + 8*NT FFMA: ~22 us of issue at T=1 spread over 132 SMs, under the 47 us byte floor.
 //   Expected bound: HBM bandwidth.  Measured (H200, commit 3803171): T=1 77 us = 61% of 4.24 TB/s, T=8..128
 //   81-84%, T=256 73% (bench/results/moe_int4.md). Reading the T=1 gate/up bytes alone in this access pattern
 //   takes 36 us (bench/moe_read_probe.py) against the kernel's 44: T=1 is bound by per-warp chains, the math
