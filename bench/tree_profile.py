@@ -1,10 +1,14 @@
 """A few GPU tree builds (draft logits [L, V = 163,840] -> Tree) for a profiler; argv: L budget kind
 (default 15 256 draftlike), e.g.
 
-    ncu --kernel-name regex:'topk|beam' --launch-skip 12 --launch-count 12 \\
+    ncu --kernel-name regex:'topk|beam' --launch-skip 10 --launch-count 10 \\
         --metrics gpu__time_duration.sum python bench/tree_profile.py 15 256 draftlike
 
-(one build is 6 launches: topk_stats, topk_hist x 3, topk_gather, beam; ncu fixes the SM clock at base.)"""
+(one build is 5 launches: topk_stats, topk_hist x 2, topk_gather, beam; ncu fixes the SM clock at base.) For
+stall reasons by source line, build the kernels with line info and collect the source counters:
+
+    DDTREE_NUMBA_LINEINFO=1 ncu --kernel-name regex:topk_hist --launch-skip 5 --launch-count 1 --set full \
+        --import-source yes -o tree_hist python bench/tree_profile.py 15 256 normal"""
 import os
 import sys
 

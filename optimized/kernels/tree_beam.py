@@ -27,7 +27,7 @@ from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shi
 import numpy as np
 from numba import cuda
 
-from .tree_device import TBUF, block_scan
+from .tree_device import KERNEL, TBUF, block_scan
 
 BMAX = 1024         # largest budget
 GS = 2 * BMAX       # two buffers of G scores
@@ -116,7 +116,7 @@ def count_g_before(gs, g_tup, cur, m, s, t0, t1, t2):
     return lo
 
 
-@cuda.jit
+@cuda.jit(**KERNEL)
 def beam(top_lp, top_id, k, budget, g_tup, nt, ns_g, pm_g, out_tok, out_dep, out_par, out_score,
          out_n):
     tid = cuda.threadIdx.x

@@ -8,10 +8,15 @@ a warp of WARP = 4 lanes so that a 16-thread block already exercises the two-lev
 """
 from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shim)
 
+import os
+
 import numpy as np
 from numba import config, cuda
 
 SIM = bool(config.ENABLE_CUDASIM)
+# DDTREE_NUMBA_LINEINFO=1: the tree kernels carry source line info (for `ncu --set full` source counters; the
+# code is optimized the same). Read when the kernel modules are imported.
+KERNEL = {"lineinfo": True} if os.environ.get("DDTREE_NUMBA_LINEINFO") == "1" and not SIM else {}
 WARP = 4 if SIM else 32
 TBUF = WARP * WARP if SIM else 1     # scratch of the simulator twins: one slot per thread
 FULL_MASK = 0xFFFFFFFF

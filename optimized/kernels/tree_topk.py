@@ -32,7 +32,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from .tree_device import LP_FLOOR, SIM, TBUF, block_scan, grid_log_prob, key_value, sortable_key
+from .tree_device import KERNEL, LP_FLOOR, SIM, TBUF, block_scan, grid_log_prob, key_value, sortable_key
 
 NB = 2048            # histogram bins (11-bit digits; the last digit uses 1024)
 KMAX = 1024          # largest K (the budget limit)
@@ -92,7 +92,7 @@ def load_values(x, row, base, hi, vals):
         vals[j] = x[row, min(base + j * T + cuda.threadIdx.x, hi - 1)]
 
 
-@cuda.jit
+@cuda.jit(**KERNEL)
 def topk_stats(x, vocab, chunk, part_m, part_s, lse, hist, done):
     p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
     T = cuda.blockDim.x
@@ -183,7 +183,7 @@ def topk_stats(x, vocab, chunk, part_m, part_s, lse, hist, done):
         done[row] = 0
 
 
-@cuda.jit
+@cuda.jit(**KERNEL)
 def topk_hist(x, vocab, chunk, hist, sel, level, k):
     p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
     T = cuda.blockDim.x
@@ -238,7 +238,7 @@ def lp_key_if_near(v, kx, thr, thr_x, ls, band, slow):
     return np.int64(-1)
 
 
-@cuda.jit
+@cuda.jit(**KERNEL)
 def topk_gather(x, vocab, chunk, lse, hist, sel, k, counters, cand, eq_ids, eq_cnt, top_lp, top_id):
     p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
     T = cuda.blockDim.x

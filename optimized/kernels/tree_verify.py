@@ -18,8 +18,10 @@ from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shi
 import numpy as np
 from numba import cuda
 
+from .tree_device import KERNEL
 
-@cuda.jit
+
+@cuda.jit(**KERNEL)
 def compile_rows(tokens, depths, parents, root, start, ids, positions, par_out, dep_out, vis, bits):
     rows = ids.shape[0]
     words = bits.shape[1]
@@ -52,7 +54,7 @@ def compile_rows(tokens, depths, parents, root, start, ids, positions, par_out, 
             vis[i, col] = (word >> b) & 1 == 1
 
 
-@cuda.jit
+@cuda.jit(**KERNEL)
 def follow(ids, parents, choices, accepted, length, bonus):
     tid = cuda.threadIdx.x
     T = cuda.blockDim.x
@@ -88,7 +90,7 @@ def follow(ids, parents, choices, accepted, length, bonus):
 
 
 
-@cuda.jit
+@cuda.jit(**KERNEL)
 def commit_kv(kv, start, accepted, length):
     col = cuda.grid(1)
     if col >= kv.shape[1]:
@@ -99,7 +101,7 @@ def commit_kv(kv, start, accepted, length):
             kv[start + j, col] = kv[start + src, col]
 
 
-@cuda.jit
+@cuda.jit(**KERNEL)
 def gather_rows(src, accepted, length, out):
     g = cuda.grid(1)
     cols = out.shape[1]
