@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call for the tree path (issue 5): GPU conformance, the bench (all 16 rows unless -k is given), per-kernel
 # durations under ncu. Usage (repository root, on the GPU machine; set DDTREE_COMMIT where .git is stale):
-#   OUT=dir bash bench/tree_gpu_run.sh ["-k 256 or 1024"]
+#   OUT=dir bash bench/tree_gpu_run.sh [-k "256 or 1024"]   (extra arguments go to the bench's pytest)
 # Writes $OUT/{tree_tests.txt,tree_bench.txt,tree_<date>.{json,md},ncu_tree.txt}; prints short tails.
 set -u
 OUT=${OUT:-/tmp/tree_out}
@@ -13,7 +13,7 @@ q="-q -p no:cacheprovider --tb=short"
 timeout ${TEST_TIMEOUT:-120} python3 -m pytest conformance/test_tree_numba.py -k gpu $q -rP > "$OUT/tree_tests.txt" 2>&1
 echo "conformance rc=$?"; grep -E "passed|failed|FAILED" "$OUT/tree_tests.txt" | tail -5
 
-timeout ${BENCH_TIMEOUT:-180} python3 -m pytest bench/test_bench_tree.py $q ${1:+"$1"} > "$OUT/tree_bench.txt" 2>&1
+timeout ${BENCH_TIMEOUT:-180} python3 -m pytest bench/test_bench_tree.py $q "$@" > "$OUT/tree_bench.txt" 2>&1
 echo "bench rc=$?"
 
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
