@@ -60,8 +60,9 @@ _KERNELS = Path(__file__).resolve().parent / "kernels"
 # (NT n-tiles of 8 tokens per pass, U chunks per register stage, XB chunks per activation batch, S warps per
 # item splitting K): the instantiations compiled (each also in the .cu's MOE_NVCC_CHECK list). (1, 4, 4, 1) was
 # the fastest unsplit variant on the H200 at every T from 1 to 256 (bench/results/moe_int4.md); NT=4 serves
-# experts with > 32 tokens. S = 2 (split K, <= 64 registers so 4 blocks per SM) doubles the warps in flight when there are few items:
-# 4-5% faster at T = 1..4 (bench/results/moe_notes.md, runs 8-9). Only S = 1 variants have a one-launch kernel.
+# experts with > 32 tokens. S = 2 (split K, <= 64 registers so 4 blocks per SM) doubles the warps in flight when
+# there are few items: 4-5% faster at T = 1..4 (bench/results/moe_notes.md, runs 8-9). Only S = 1 variants have a
+# one-launch kernel.
 GEMM_VARIANTS = ((1, 4, 4, 1), (1, 4, 1, 1), (1, 2, 2, 1), (4, 1, 1, 1), (1, 1, 1, 2))
 _WARPS = 8
 # moe_routed runs gate/up and down as one launch from this many token-expert pairs: on the H200 the fused launch
@@ -383,8 +384,8 @@ def _fused_name(variant) -> str:
 
 def pick_variant(tokens: int, top_k: int, n_experts: int, split: bool = True):
     """(NT, U, XB, S) for a call. Up to SMALL_PAIRS token-expert pairs (T <= 4 at K = 8) K is split over two warps
-    (S = 2): gate/up 4-5% and down 4% faster there (H200, bench/results/moe_run9/moe_stage_variants.json). Beyond, NT=1 (8-token passes) with activations batched
-    4 chunks deep measured fastest at every T up to 256 under near-uniform routing (bench/results/moe_int4.md):
+    (S = 2): gate/up 4-5% and down 4% faster there (H200, bench/results/moe_run9/moe_stage_variants.json).
+    Beyond, NT=1 (8-token passes) with activations batched 4 chunks deep measured fastest at every T up to 256 under near-uniform routing (bench/results/moe_int4.md):
     with 1-15 tokens per expert the weight stream, not the tokens, is the cost. Only when the likely largest
     expert (mean + 3 sigma of uniform routing, at most T) needs more than 4 passes do wider n-tiles take over.
     split=False: S = 1 only (the one-launch gate_up_down has no split-K kernel)."""
@@ -401,6 +402,11 @@ def _resident_blocks(name: str, device_index: int) -> int:
     fns, n_sm, warps_per_sm = _kernels(device_index)
     per_warp = -(-fns[name].num_regs * 32 // 256) * 256
     return n_sm * max(1, min(warps_per_sm, 65536 // per_warp) // _WARPS)
+
+
+def _grid(name: str, device: torch.device, items: int, warps_per_item: int = 1) -> int:
+    """Blocks for a persistent launch: as many as fit at once, no more than the items need."""
+    return max(1, min(_resident_blocks(name, device.index), -(-items // (_WARPS // warps_per_item))))
 
 
 def _variant_key(v) -> tuple:
@@ -429,8 +435,7 @@ def _run_gemm(epi: int, act: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, g
     name = _gemm_name(v, epi)
     r, c = wq.shape[1], wq.shape[2]
     a = g.active.shape[1]
-    grid = max(1, min(_resident_blocks(name, act.device.index), -(-a * r // (_WARPS // v[3]))))
-    _launch(name, act.device, (grid,), (32 * _WARPS,),
+    _launch(name, act.device, (_grid(name, act.device, a * r, v[3]),), (32 * _WARPS,),
             (_p(wq), _p(ws), _p(act), np.int32(act.shape[1]), _p(g.token_of_pos if epi == 0 else None),
              _p(g.active), np.int32(a), _p(g.n_active), _p(out), np.int32(out.shape[1]), np.int32(r), np.int32(c)))
 
@@ -456,8 +461,7 @@ def group_gate_up(x: torch.Tensor, idx: torch.Tensor, weights: MoEWeights, varia
     name = _grouped_name(v)
     h = _h_buffer(weights, g, x.device)
     r, c = weights.w13.shape[1], weights.w13.shape[2]
-    grid = max(1, min(_resident_blocks(name, x.device.index), -(-g.active.shape[1] * r // (_WARPS // v[3]))))
-    _launch(name, x.device, (grid,), (32 * _WARPS,),
+    _launch(name, x.device, (_grid(name, x.device, g.active.shape[1] * r, v[3]),), (32 * _WARPS,),
             (_p(weights.w13), _p(weights.s13), _p(xp), np.int32(xp.shape[1])) + _group_args(idx, weights, g)
             + (_p(h), np.int32(h.shape[1]), np.int32(r), np.int32(c)))
     return g, h
@@ -481,8 +485,7 @@ def gate_up_down(x: torch.Tensor, weights: MoEWeights, grouping: Grouping, varia
     y = torch.empty(h.shape[0], weights.hidden, dtype=torch.float32, device=x.device)
     r13, c13, r2, c2 = weights.w13.shape[1], weights.w13.shape[2], weights.w2.shape[1], weights.w2.shape[2]
     a = grouping.active.shape[1]
-    grid = max(1, min(_resident_blocks(name, x.device.index), -(-a * (r13 + r2) // _WARPS)))
-    _launch(name, x.device, (grid,), (32 * _WARPS,),
+    _launch(name, x.device, (_grid(name, x.device, a * (r13 + r2)),), (32 * _WARPS,),
             (_p(weights.w13), _p(weights.s13), _p(weights.w2), _p(weights.s2), _p(xp), np.int32(xp.shape[1]),
              _p(grouping.token_of_pos), _p(grouping.active), np.int32(a), _p(grouping.n_active), _p(h),
              np.int32(h.shape[1]), _p(y), np.int32(weights.hidden), np.int32(r13), np.int32(c13), np.int32(r2), np.int32(c2),

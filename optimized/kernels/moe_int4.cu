@@ -106,8 +106,8 @@ __device__ __forceinline__ int no_row(int) { return -1; }
 __device__ __forceinline__ void set_row(const u16*& x, const u16* act, size_t off) { x = act + off; }
 __device__ __forceinline__ void set_row(int& x, const u16*, size_t off) { x = (int)off; }
 
-// Activations of XB consecutive chunks for NT n-tiles: lane (g, t) reads 16 consecutive values of its token
-// row per chunk (two 16-byte loads). Issued together before the chunks' math so the L1/L2 latency is paid once
+// Activations of XB consecutive chunks for NT n-tiles: lane (g, t) reads two runs of 8 values of its token row
+// per chunk, 32 columns apart (two 16-byte loads: one per scale group). Issued together before the chunks' math so the L1/L2 latency is paid once
 // per XB chunks, not once per chunk (the per-warp dependency chain is what bounds T=1, where each warp owns one
 // 16-row tile).
 template <int NT, int XB, bool WEAK = false, class XRow>
@@ -309,6 +309,21 @@ __device__ __forceinline__ void gemm_item(
 #else
 #define SPLIT_MIN_BLOCKS 4
 #endif
+// Resident blocks of 256 threads each GEMM kernel asks registers for.
+#define GEMM_MIN_BLOCKS(NT, U, S) ((S) > 1 ? SPLIT_MIN_BLOCKS : ((NT) == 1 && (U) <= 2) ? 3 : 2)
+
+// Each warp (each group of S warps) of the grid walks items w, w + groups, ... of n_items.
+template <int NT, int U, int XB, int EPI, int S>
+__device__ __forceinline__ void walk_items(
+    int n_items, const uint4* __restrict__ wq, const u32* __restrict__ ws, const u16* __restrict__ act, int ld_act,
+    const int* __restrict__ row_of_pos, const int* __restrict__ active, int max_active, void* __restrict__ out,
+    int ld_out, int R, int C) {
+  const int per_block = (blockDim.x >> 5) / S;
+  const int groups = gridDim.x * per_block;
+  for (int item = blockIdx.x * per_block + (threadIdx.x >> 5) / S; item < n_items; item += groups)
+    gemm_item<NT, U, XB, EPI, false, S>(item, wq, ws, act, ld_act, row_of_pos, active, max_active, out, ld_out, R,
+                                        C, nullptr, 0);
+}
 
 // ---- token -> expert grouping for <= 32 token-expert pairs -------------------------------------------------------
 // One warp, lane p = pair p; every count is a loop over the other lanes' local experts by shuffle. The same table as
@@ -359,9 +374,9 @@ extern "C" __global__ void __launch_bounds__(32) moe_group_small(
   group_small_warp(idx, P, K, g2l, E, pos_of_pair, token_of_pos, active, max_active, n_active, sync);
 }
 
-// One GEMM: each warp (each group of S warps) walks items w, w + warps, ... of n_active * R.
+// One GEMM over n_active * R items (walk_items).
 template <int NT, int U, int XB, int S, int EPI>
-__global__ void __launch_bounds__(256, S > 1 ? SPLIT_MIN_BLOCKS : (NT == 1 && U <= 2) ? 3 : 2) moe_int4_gemm(
+__global__ void __launch_bounds__(256, GEMM_MIN_BLOCKS(NT, U, S)) moe_int4_gemm(
     const uint4* __restrict__ wq,        // [L, R, C, 32]
     const u32* __restrict__ ws,          // [L, R, C, 16]
     const u16* __restrict__ act,         // bf16 input rows, row stride ld_act (= C*64) elements
@@ -372,19 +387,15 @@ __global__ void __launch_bounds__(256, S > 1 ? SPLIT_MIN_BLOCKS : (NT == 1 && U 
     const int* __restrict__ n_active,    // [1]
     void* __restrict__ out, int ld_out,  // EPI 0: bf16 h [P, ld_out]; EPI 1: fp32 y [P, ld_out]
     int R, int C) {
-  const int per_block = (blockDim.x >> 5) / S;
-  const int groups = gridDim.x * per_block;
-  const int n_items = n_active[0] * R;
-  for (int item = blockIdx.x * per_block + (threadIdx.x >> 5) / S; item < n_items; item += groups)
-    gemm_item<NT, U, XB, EPI, false, S>(item, wq, ws, act, ld_act, row_of_pos, active, max_active, out, ld_out, R,
-                                        C, nullptr, 0);
+  walk_items<NT, U, XB, EPI, S>(n_active[0] * R, wq, ws, act, ld_act, row_of_pos, active, max_active, out, ld_out,
+                                R, C);
 }
 
 // The grouping (P <= 32 pairs) and gate/up in one launch, saving the grouping's kernel boundary: warp 0 of every block
 // groups the pairs into shared memory (block 0 also writes the global tables that down and combine read), then the
 // block's warps run moe_int4_gemm<..., EPI 0>'s items off the shared table: h is bitwise that of the two launches.
 template <int NT, int U, int XB, int S>
-__global__ void __launch_bounds__(256, S > 1 ? SPLIT_MIN_BLOCKS : (NT == 1 && U <= 2) ? 3 : 2) moe_int4_gate_up_grouped(
+__global__ void __launch_bounds__(256, GEMM_MIN_BLOCKS(NT, U, S)) moe_int4_gate_up_grouped(
     const uint4* __restrict__ wq, const u32* __restrict__ ws, const u16* __restrict__ act, int ld_act,
     const long long* __restrict__ idx, int P, int K, const int* __restrict__ g2l, int E,
     int* __restrict__ pos_of_pair, int* __restrict__ token_of_pos, int* __restrict__ active, int max_active,
@@ -396,11 +407,7 @@ __global__ void __launch_bounds__(256, S > 1 ? SPLIT_MIN_BLOCKS : (NT == 1 && U 
       group_small_warp(idx, P, K, g2l, E, pos_of_pair, token_of_pos, active, max_active, n_active, sync);
   }
   __syncthreads();
-  const int per_block = (blockDim.x >> 5) / S;
-  const int groups = gridDim.x * per_block;
-  const int n_items = tab[128] * R;
-  for (int item = blockIdx.x * per_block + (threadIdx.x >> 5) / S; item < n_items; item += groups)
-    gemm_item<NT, U, XB, 0, false, S>(item, wq, ws, act, ld_act, tab + 96, tab, 32, out, ld_out, R, C, nullptr, 0);
+  walk_items<NT, U, XB, 0, S>(tab[128] * R, wq, ws, act, ld_act, tab + 96, tab, 32, out, ld_out, R, C);
 }
 
 // Both GEMMs in one launch: gate/up items first, then down items, handed out in that order from an atomic queue
@@ -410,7 +417,7 @@ __global__ void __launch_bounds__(256, S > 1 ? SPLIT_MIN_BLOCKS : (NT == 1 && U 
 // whatever the residency: a warp takes a down item only after every gate/up item has been taken by a running
 // warp, and gate/up items never wait. The math is gemm_item's: bitwise equal to the two separate launches.
 template <int NT, int U, int XB>
-__global__ void __launch_bounds__(256, (NT == 1 && U <= 2) ? 3 : 2) moe_int4_fused(
+__global__ void __launch_bounds__(256, GEMM_MIN_BLOCKS(NT, U, 1)) moe_int4_fused(
     const uint4* __restrict__ w13, const u32* __restrict__ s13, const uint4* __restrict__ w2,
     const u32* __restrict__ s2, const u16* __restrict__ x, int ld_x, const int* __restrict__ row_of_pos,
     const int* __restrict__ active, int max_active, const int* __restrict__ n_active, u16* __restrict__ h, int ld_h,
