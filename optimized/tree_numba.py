@@ -27,9 +27,9 @@ from typing import Optional, Union
 
 import torch
 from numba import cuda
-from .kernels.tree_beam import BMAX, beam
+from .kernels.tree_beam import BMAX, TMIN, beam
 from .kernels.tree_device import SIM, WARP
-from .kernels.tree_topk import PMAX, topk_gather, topk_hist, topk_stats
+from .kernels.tree_topk import CAP, EPT, NB, PMAX, topk_filter, topk_stats
 from .kernels.tree_verify import commit_kv, compile_rows, follow, gather_rows
 from reference.tree import CompiledTree, Tree, check_build_args, node_count
 
@@ -40,12 +40,13 @@ MAX_DEPTH = 15
 class Config:
     """Launch geometry. Block sizes: multiples of WARP, at most WARP*WARP, powers of two (reductions)."""
     topk_threads: int
-    chunk: int             # token ids per top-K block (raised so that a row has at most PMAX chunks)
-    beam_threads: int
+    chunk: int             # fewest token ids per top-K block (raised to spread a row over ~TARGET_BLOCKS / L
+    beam_threads: int      #   blocks, at most PMAX chunks, a multiple of topk_threads * EPT)
     follow_threads: int
 
 
-DEFAULT_CONFIG = Config(16, 8, 16, 16) if SIM else Config(256, 4096, 512, 256)   # beam: 80 regs/thread
+TARGET_BLOCKS = 1 if SIM else 264       # top-K blocks over all rows: two per SM of an H200
+DEFAULT_CONFIG = Config(16, 8, 16, 16) if SIM else Config(256, 4096, 1024, 256)
 
 
 @dataclass(frozen=True)
@@ -107,42 +108,34 @@ def _check_config(cfg: Config) -> Config:
     for t in (cfg.topk_threads, cfg.beam_threads, cfg.follow_threads):
         if t % WARP or t > WARP * WARP or t & (t - 1):
             raise ValueError(f"block size {t} must be a power of two, a multiple of {WARP}, <= {WARP * WARP}")
+    if cfg.beam_threads < TMIN:
+        raise ValueError(f"beam_threads {cfg.beam_threads} < {TMIN}: the beam holds G in registers of >= {TMIN} "
+                         "threads")
     return cfg
 
 
-def staircase(k: int, budget: int) -> int:
-    """Most new candidates one beam step can have: sum_j min(K, B // (j+1))."""
-    return sum(min(k, budget // (j + 1)) for j in range(budget))
-
-
 class _Workspace:
-    """Device scratch for one (device, L, V, K, B, config); reused across calls (and CUDA graph replays)."""
+    """Device scratch for one (device, L, V, K, config); reused across calls (and CUDA graph replays). The
+    histograms and counters are zero on creation, and the kernels leave them zero."""
 
-    def __init__(self, device, depth, vocab, k, budget, cfg: Config):
-        chunk = max(cfg.chunk, -(-vocab // PMAX))
-        self.chunk, self.parts = chunk, -(-vocab // chunk)
+    def __init__(self, device, depth, vocab, k, cfg: Config):
+        step = cfg.topk_threads * EPT
+        chunk = max(cfg.chunk, -(-vocab // PMAX), -(-vocab // max(1, TARGET_BLOCKS // depth)))
+        self.chunk = -(-chunk // step) * step
+        self.parts = -(-vocab // self.chunk)
         z = dict(device=device)
         self.part_m = torch.empty(depth, self.parts, dtype=torch.float64, **z)
         self.part_s = torch.empty(depth, self.parts, dtype=torch.float64, **z)
         self.lse = torch.empty(depth, dtype=torch.float64, **z)
-        self.hist = torch.zeros(depth, 3, 2048, dtype=torch.int32, **z)
-        self.sel = torch.zeros(depth, 4, dtype=torch.int64, **z)
-        self.counters = torch.zeros(depth, 2, dtype=torch.int32, **z)
+        self.hist = torch.zeros(depth, NB, dtype=torch.int32, **z)
         self.done = torch.zeros(depth, dtype=torch.int32, **z)
-        self.cand = torch.empty(depth, k, dtype=torch.int64, **z)
-        self.eq_ids = torch.empty(depth, self.parts, k, dtype=torch.int32, **z)
-        self.eq_cnt = torch.empty(depth, self.parts, dtype=torch.int32, **z)
+        self.sel = torch.zeros(depth, 2, dtype=torch.int64, **z)
+        self.counters = torch.zeros(depth, 2, dtype=torch.int32, **z)
+        self.cand = torch.empty(depth, CAP, dtype=torch.int64, **z)
         self.top_lp = torch.empty(depth, k, dtype=torch.float32, **z)
         self.top_id = torch.empty(depth, k, dtype=torch.int64, **z)
-        cap = staircase(k, budget)
-        cap2 = 1 << max(cap - 1, 0).bit_length()
-        self.g_tup = torch.empty(2, budget, 3, dtype=torch.int64, **z)
-        self.new_tup = torch.empty(max(cap, 1), 3, dtype=torch.int64, **z)
-        self.new_score = torch.empty(cap2, dtype=torch.float64, **z)
-        self.new_perm = torch.empty(cap2, dtype=torch.int32, **z)
         self.count = torch.zeros(1, dtype=torch.int64, **z)
-        names = ("part_m", "part_s", "lse", "hist", "sel", "counters", "done", "cand", "eq_ids", "eq_cnt",
-                 "top_lp", "top_id", "g_tup", "new_tup", "new_score", "new_perm", "count")
+        names = ("part_m", "part_s", "lse", "hist", "done", "sel", "counters", "cand", "top_lp", "top_id", "count")
         self.a = {name: _arr(getattr(self, name)) for name in names}
 
 
@@ -154,28 +147,25 @@ def _workspace(device, depth, vocab, k, budget, cfg) -> _Workspace:
     if key not in _workspaces:
         if len(_workspaces) > 64:
             _workspaces.clear()
-        _workspaces[key] = _Workspace(device, depth, vocab, k, budget, cfg)
+        _workspaces[key] = _Workspace(device, depth, vocab, k, cfg)
     return _workspaces[key]
 
 
 def _topk_stage(x, vocab: int, k: int, ws: _Workspace, cfg: Config, s) -> None:
-    """Four launches: ws.top_lp / ws.top_id [L, K] = the per-depth candidates by rank. The histograms and
-    counters are zero on entry (workspace creation) and left zero by topk_gather."""
+    """Two launches: ws.top_lp / ws.top_id [L, K] = the per-depth candidates by rank."""
     a = ws.a
     grid, tpb = (ws.parts, a["lse"].shape[0]), cfg.topk_threads
-    topk_stats[grid, tpb, s](x, vocab, ws.chunk, a["part_m"], a["part_s"], a["lse"], a["hist"], a["done"])
-    for level in (1, 2):
-        topk_hist[grid, tpb, s](x, vocab, ws.chunk, a["hist"], a["sel"], level, k)
-    topk_gather[grid, tpb, s](x, vocab, ws.chunk, a["lse"], a["hist"], a["sel"], k, a["counters"], a["cand"],
-                              a["eq_ids"], a["eq_cnt"], a["top_lp"], a["top_id"])
+    topk_stats[grid, tpb, s](x, vocab, ws.chunk, k, a["part_m"], a["part_s"], a["lse"], a["hist"], a["done"],
+                             a["sel"])
+    topk_filter[grid, tpb, s](x, vocab, ws.chunk, k, a["lse"], a["sel"], a["counters"], a["cand"], a["top_lp"],
+                              a["top_id"])
 
 
 def _beam_stage(k: int, budget: int, ws: _Workspace, cfg: Config, s, tokens, depths, parents, scores) -> None:
     """One launch: the first `budget` nodes in order into tokens/depths/parents/scores [budget]."""
     a = ws.a
-    beam[1, cfg.beam_threads, s](a["top_lp"], a["top_id"], k, budget, a["g_tup"], a["new_tup"], a["new_score"],
-                                 a["new_perm"], _arr(tokens), _arr(depths), _arr(parents), _arr(scores),
-                                 a["count"])
+    beam[1, cfg.beam_threads, s](a["top_lp"], a["top_id"], k, budget, _arr(tokens), _arr(depths), _arr(parents),
+                                 _arr(scores), a["count"])
 
 
 def build_tree(draft_logits: torch.Tensor, budget: int, *, check_values: bool = False,
@@ -189,7 +179,8 @@ def build_tree(draft_logits: torch.Tensor, budget: int, *, check_values: bool = 
         empty = torch.zeros(0, dtype=torch.long, device=device)
         return Tree(empty, empty.clone(), empty.clone(), torch.zeros(0, dtype=torch.float64, device=device))
     if budget > BMAX:
-        raise ValueError(f"budget {budget} > {BMAX}: the GPU tree build supports budgets up to {BMAX}")
+        raise ValueError(f"budget {budget} > {BMAX}: the GPU tree build supports budgets up to {BMAX}"
+                         + (" (the simulator build: up to 64)" if SIM else ""))
     if depth > MAX_DEPTH:
         raise ValueError(f"draft_logits has L = {depth} > {MAX_DEPTH} depths: the GPU tree build packs rank "
                          f"tuples of at most {MAX_DEPTH} digits")
@@ -219,10 +210,13 @@ def compile_tree(tree: Tree, root_token: Union[int, torch.Tensor], start: int) -
     n = tree.n
     device = tree.tokens.device
     rows, words = n + 1, (n + 32) // 32
-    if isinstance(root_token, torch.Tensor):
-        root = root_token.reshape(1).to(device=device, dtype=torch.long)
+    if isinstance(root_token, torch.Tensor):      # a device tensor: read by the kernel (no host sync)
+        root, root_val = root_token.reshape(1).to(device=device, dtype=torch.long), -1
     else:
-        root = torch.full((1,), int(root_token), dtype=torch.long, device=device)
+        root_val = int(root_token)
+        if root_val < 0:
+            raise ValueError(f"root_token must be a non-negative token id, got {root_val}")
+        root = tree.tokens   # unused (any int64 array)
     ids = torch.empty(rows, dtype=torch.long, device=device)
     positions = torch.empty(rows, dtype=torch.long, device=device)
     parents = torch.empty(rows, dtype=torch.long, device=device)
@@ -233,7 +227,7 @@ def compile_tree(tree: Tree, root_token: Union[int, torch.Tensor], start: int) -
     blocks = -(-rows * words // threads)
     compile_rows[blocks, threads, _stream(device)](
         _arr(tree.tokens.long().contiguous()), _arr(tree.depths.long().contiguous()),
-        _arr(tree.parents.long().contiguous()), _arr(root), start, _arr(ids), _arr(positions), _arr(parents),
+        _arr(tree.parents.long().contiguous()), _arr(root), root_val, start, _arr(ids), _arr(positions), _arr(parents),
         _arr(depths), _arr(vis), _arr(bits))
     return PackedCompiledTree(ids=ids, positions=positions, parents=parents, depths=depths, visibility=vis,
                               start=start, visibility_bits=bits)

@@ -1,262 +1,325 @@
 """Best-first selection on the GPU: the first B prefixes in the order of reference/tree.py, in that order.
 
-Launch geometry: one block of T threads (the selection is a chain of small dependent steps; latency bound).
+Launch geometry: one block of T threads (T >= TMIN: each thread owns GA members of G and NA new candidates in
+registers while they are merged); everything lives in shared memory (~47 KB at B = 1024).
 Input: the per-depth top-K (lp [L, K] fp32 on the 2^-28 grid, token ids [L, K]), sorted by rank.
 
-Order: node a precedes b iff score(a) > score(b), or equal scores and tuple(a) < tuple(b). A rank tuple is
-packed as digits rank+1 of 11 bits, five per int64 word, three words (L <= 15, K <= 1024); a missing digit is
-0, so comparing the words lexicographically puts a prefix before its extensions. Scores are exact fp64 sums
-(the grid), so two key facts hold exactly: children of one parent come in rank order, and for parents
-p before q the child (p, r) comes before (q, r).
+Order: a precedes b iff score(a) > score(b), or equal scores and tuple(a) < tuple(b) (rank tuples, a prefix
+before its extensions). Scores are exact integers in units of 2^-28 (int64; the grid makes every sum exact).
+Tuples are never stored: each member of G carries its TUPLE RANK t (its position in the lexicographic order of
+G's tuples, a pre-order of the trie). For a child c = (p, r) at depth d+1 and a member g of depth <= d (p has
+no child in G yet): tuple(g) < tuple(c) iff t(g) <= t(p); two new children compare by (t(parent), r).
 
-Algorithm (exact; G_d = the first B prefixes of depth <= d, kept sorted in shared memory):
-    G_1 = ranks 0..min(K, B)-1 at depth 1
-    for d = 2..L:
-        parents = members of G at depth d-1, in order (block scan compaction)
-        new     = their children that precede w = G[B-1] (all of them while |G| < B); per parent j only
-                  ranks r with (j+1)(r+1) <= B can matter (the (j+1)(r+1)-1 children above-left of (j, r)
-                  all precede it), each parent's count by binary search over its ranks
-        if new is empty: stop (no depth-d member, so no deeper one either)
-        sort new (bitonic on an index permutation), merge with G by binary-search ranks, keep the first B
-    output G in order; parents found by binary search for the parent key (score - lp, tuple minus a digit).
-Shared memory: ~43 KB (lp row, two score and depth buffers, the new candidates' scores and permutation while they
-number <= 1024, offsets and parents). Tuples and larger candidate sets live in global scratch.
+Algorithm (exact; G = the first B prefixes of depth <= d, sorted, in shared memory):
+    G = ranks 0..min(K, B)-1 at depth 1, t = rank
+    for d = 1..L-1, in batches of whole parents (members of G at depth d, in order; at most NEWCAP new):
+        per parent j (batch index jl, G position pos): children r + 1 <= min(K, B/(j+1), (B-1-pos)/(jl+1))
+            (that many members of G or of the batch precede the child), and, when |G| = B, only those
+            before G[B-1] (binary search over r)
+        materialize the batch's children, sort them (bitonic in registers: shuffles below the warp, shared
+            memory between warps), merge with G by binary-search ranks, keep the first B
+        new tuple ranks: scatter 1 + (kept children) onto each old member's tuple rank, exclusive scan:
+            t'(g) = base[t(g)], t'((p, r)) = base[t(p)] + 1 + r
+    stop when a depth admits no member. Parents of members are G indices, remapped at every merge.
 """
 from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shim)
 
 import numpy as np
 from numba import cuda
 
-from .tree_device import KERNEL, TBUF, block_scan
+from .tree_device import KERNEL, SIM, TBUF, WARP, block_scan, shfl_xor
 
-BMAX = 1024         # largest budget
-GS = 2 * BMAX       # two buffers of G scores
-KMAX = 1024         # largest K
-NEWSH = 1024        # new candidates sorted in shared memory up to this many (else in global scratch)
-DIGIT = 11          # bits per rank digit
-PER_WORD = 5        # digits per int64 word
-
-
-@cuda.jit(device=True)
-def tup_less(a0, a1, a2, b0, b1, b2):
-    if a0 != b0:
-        return a0 < b0
-    if a1 != b1:
-        return a1 < b1
-    return a2 < b2
+BMAX = 64 if SIM else 1024        # largest budget (and K)
+NEWCAP = 64 if SIM else 2048      # new candidates per batch: >= BMAX, so one parent's children always fit
+TMIN = 8 if SIM else 1024         # smallest block
+GA = (BMAX + TMIN - 1) // TMIN    # G members per thread
+NA = (NEWCAP + TMIN - 1) // TMIN  # new candidates per thread
+SCALE = 268435456.0               # 2^28: lp and scores as integers
+PAD_Q = -(2 ** 62)                # a padding candidate's score (real scores are > -2^53)
+PAD_K = 0x7FFFFFFF
+M10 = 0x3FF                       # aux = parent << 20 | rank << 10 | tuple rank; new key = t(p) << 20 | r << 10 | p
 
 
 @cuda.jit(device=True)
-def with_digit(t0, t1, t2, e, r):
-    """Tuple words with digit e (depth e+1) set to rank r (stored as r + 1)."""
-    v = np.int64(r + 1) << (DIGIT * (PER_WORD - 1 - e % PER_WORD))
-    w = e // PER_WORD
-    if w == 0:
-        return t0 + v, t1, t2
-    if w == 1:
-        return t0, t1 + v, t2
-    return t0, t1, t2 + v
+def q_of(v):
+    """An fp32 grid log-prob as an integer multiple of 2^-28 (exact)."""
+    return np.int64(np.float64(v) * SCALE)
 
 
 @cuda.jit(device=True)
-def digit_of(t0, t1, t2, e):
-    """Rank at depth e+1 (-1 when the tuple is shorter)."""
-    w = e // PER_WORD
-    word = t0 if w == 0 else (t1 if w == 1 else t2)
-    return ((word >> (DIGIT * (PER_WORD - 1 - e % PER_WORD))) & 0x7FF) - 1
+def g_before(qg, tg, qc, tp):
+    """Member g (score qg, tuple rank tg) precedes a new child (score qc, parent tuple rank tp)."""
+    return qg > qc or (qg == qc and tg <= tp)
 
 
 @cuda.jit(device=True)
-def new_before(a, b, ns, nt):
-    """Permutation entry a sorts before b (-1 is a padding entry, after everything)."""
-    if b < 0:
-        return a >= 0
-    if a < 0:
-        return False
-    if ns[a] != ns[b]:
-        return ns[a] > ns[b]
-    return tup_less(nt[a, 0], nt[a, 1], nt[a, 2], nt[b, 0], nt[b, 1], nt[b, 2])
+def n_first(qa, ka, qb, kb):
+    """New candidate a precedes new candidate b."""
+    return qa > qb or (qa == qb and ka < kb)
 
 
 @cuda.jit(device=True)
-def sort_new(pm, n2, ns, nt):
-    """Bitonic sort of the permutation pm[:n2] (n2 a power of two) into tree order."""
+def sort_new(nq, nk, n, sq, sk, buf):
+    """Sort the n candidates (nq, nk)[:n] into tree order in place (buf: the simulator twins' scratch). Element i is held by thread i % T in
+    register slot i // T; a bitonic network over the next power of two S >= n (padding sorts last)."""
     tid = cuda.threadIdx.x
+    T = cuda.blockDim.x
+    S = 1
+    while S < n:
+        S *= 2
+    for a in range(NA):
+        i = tid + a * T
+        if i < n:
+            sq[a] = nq[i]
+            sk[a] = nk[i]
+        else:
+            sq[a] = PAD_Q
+            sk[a] = PAD_K
     size = 2
-    while size <= n2:
-        stride = size // 2
-        while stride > 0:
-            cuda.syncthreads()
-            for i in range(tid, n2, cuda.blockDim.x):
-                j = i ^ stride
-                if j > i:
-                    a = pm[i]
-                    b = pm[j]
-                    if new_before(b, a, ns, nt) if (i & size) == 0 else new_before(a, b, ns, nt):
-                        pm[i] = b
-                        pm[j] = a
-            stride //= 2
+    while size <= S:
+        st = size // 2
+        while st > 0:
+            if st >= T:                              # partner in this thread
+                sa = st // T
+                for a in range(NA):
+                    b = a ^ sa
+                    i = tid + a * T
+                    if b > a and i < S:
+                        first = n_first(sq[a], sk[a], sq[b], sk[b])
+                        if first != ((i & size) == 0):
+                            q0, k0 = sq[a], sk[a]
+                            sq[a], sk[a] = sq[b], sk[b]
+                            sq[b], sk[b] = q0, k0
+            elif st < WARP:                          # partner in this warp
+                for a in range(NA):
+                    i = tid + a * T
+                    oq = shfl_xor(sq[a], st, buf)
+                    ok = shfl_xor(np.int64(sk[a]), st, buf)
+                    lower = (i & st) == 0
+                    mine_first = n_first(sq[a], sk[a], oq, ok)
+                    if mine_first != (lower == ((i & size) == 0)):
+                        sq[a] = oq
+                        sk[a] = np.int32(ok)
+            else:                                    # partner in another warp: through shared memory
+                cuda.syncthreads()
+                for a in range(NA):
+                    i = tid + a * T
+                    if i < S:
+                        nq[i] = sq[a]
+                        nk[i] = sk[a]
+                cuda.syncthreads()
+                for a in range(NA):
+                    i = tid + a * T
+                    if i < S:
+                        j = i ^ st
+                        oq, ok = nq[j], nk[j]
+                        mine_first = n_first(sq[a], sk[a], oq, ok)
+                        if mine_first != ((i < j) == ((i & size) == 0)):
+                            sq[a] = oq
+                            sk[a] = ok
+            st //= 2
         size *= 2
     cuda.syncthreads()
-
-
-@cuda.jit(device=True)
-def count_g_before(gs, g_tup, cur, m, s, t0, t1, t2):
-    """How many of G[cur][:m] (sorted) precede the key (s, t)."""
-    lo = 0
-    hi = m
-    while lo < hi:
-        mid = (lo + hi) // 2
-        sm = gs[cur * BMAX + mid]
-        if sm > s or (sm == s and tup_less(g_tup[cur, mid, 0], g_tup[cur, mid, 1], g_tup[cur, mid, 2],
-                                           t0, t1, t2)):
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+    for a in range(NA):
+        i = tid + a * T
+        if i < n:
+            nq[i] = sq[a]
+            nk[i] = sk[a]
+    cuda.syncthreads()
 
 
 @cuda.jit(**KERNEL)
-def beam(top_lp, top_id, k, budget, g_tup, nt, ns_g, pm_g, out_tok, out_dep, out_par, out_score,
-         out_n):
+def beam(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
     tid = cuda.threadIdx.x
     T = cuda.blockDim.x
-    lp = cuda.shared.array(KMAX, np.float32)          # the current depth's lp by rank
-    gs = cuda.shared.array(GS, np.float64)            # G scores, two buffers
-    ns_s = cuda.shared.array(NEWSH, np.float64)
-    pm_s = cuda.shared.array(NEWSH, np.int32)
-    off = cuda.shared.array(BMAX, np.int32)           # per-parent offset into the new candidates
-    par = cuda.shared.array(BMAX, np.int32)           # G index of each parent
-    g_dep = cuda.shared.array(GS, np.int8)            # G depths, two buffers
+    gq = cuda.shared.array(BMAX, np.int64)          # G: scores, aux, depths, in order
+    gaux = cuda.shared.array(BMAX, np.int32)
+    gdep = cuda.shared.array(BMAX, np.int8)
+    nq = cuda.shared.array(NEWCAP, np.int64)        # the batch's new candidates (also the sort's exchange)
+    nk = cuda.shared.array(NEWCAP, np.int32)
+    lp = cuda.shared.array(BMAX, np.float32)        # this depth's lp by rank
+    off = cuda.shared.array(BMAX + 1, np.int32)     # per-parent offsets; then kept counts / bases by tuple rank
+    fr = cuda.shared.array(BMAX, np.int16)          # frontier (G indices); then the old -> new G index map
     tmp = cuda.shared.array(32, np.int64)
     buf = cuda.shared.array(TBUF, np.int64)
+    rq = cuda.local.array(GA, np.int64)
+    ra = cuda.local.array(GA, np.int32)
+    rd = cuda.local.array(GA, np.int32)
+    rp = cuda.local.array(GA, np.int32)
+    sq = cuda.local.array(NA, np.int64)
+    sk = cuda.local.array(NA, np.int32)
+    sp = cuda.local.array(NA, np.int32)
     depth = top_lp.shape[0]
     m = min(k, budget)
     for r in range(tid, m, T):
-        gs[r] = np.float64(top_lp[0, r])
-        g_tup[0, r, 0] = np.int64(r + 1) << (DIGIT * (PER_WORD - 1))
-        g_tup[0, r, 1] = 0
-        g_tup[0, r, 2] = 0
-        g_dep[r] = 1
-    cur = 0
-    for e in range(1, depth):                         # children at depth e + 1, lp row e
+        gq[r] = q_of(top_lp[0, r])
+        gaux[r] = (r << 10) | r
+        gdep[r] = 1
+    e = 1
+    alive = True
+    while alive and e < depth:                       # children at depth e + 1 of the depth-e members
         cuda.syncthreads()
         for r in range(tid, k, T):
             lp[r] = top_lp[e, r]
-        npar = np.int64(0)
-        for c in range(0, m, T):                      # parents: G members at depth e, in order
-            i = c + tid
-            flag = 1 if i < m and g_dep[cur * BMAX + i] == e else 0
-            ex, tot = block_scan(flag, tmp, buf)
-            if flag == 1:
-                par[npar + ex] = i
-            npar += tot
-        full = m == budget
-        ws = gs[cur * BMAX + m - 1]
-        w0, w1, w2 = g_tup[cur, m - 1, 0], g_tup[cur, m - 1, 1], g_tup[cur, m - 1, 2]
-        cuda.syncthreads()
-        nnew = np.int64(0)
-        for c in range(0, npar, T):                   # per parent: how many children enter
-            j = c + tid
-            cnt = np.int64(0)
-            if j < npar:
-                p = par[j]
-                ps = gs[cur * BMAX + p]
-                p0, p1, p2 = g_tup[cur, p, 0], g_tup[cur, p, 1], g_tup[cur, p, 2]
-                cnt = min(k, budget // (j + 1))
-                if full:
-                    lo = np.int64(0)
-                    hi = cnt
-                    while lo < hi:
-                        mid = (lo + hi) // 2
-                        cs = ps + np.float64(lp[mid])
-                        c0, c1, c2 = with_digit(p0, p1, p2, e, mid)
-                        if cs > ws or (cs == ws and tup_less(c0, c1, c2, w0, w1, w2)):
-                            lo = mid + 1
-                        else:
-                            hi = mid
-                    cnt = lo
-            ex, tot = block_scan(cnt, tmp, buf)
-            if j < npar:
-                off[j] = nnew + ex
-            nnew += tot
-        cuda.syncthreads()
-        if nnew == 0:
-            break
-        n2 = 1
-        while n2 < nnew:
-            n2 *= 2
-        ns = ns_s if nnew <= NEWSH else ns_g
-        pm = pm_s if nnew <= NEWSH else pm_g
-        for s in range(tid, n2, T):                   # materialize the new candidates
-            if s < nnew:
-                lo = np.int64(0)
-                hi = npar
-                while hi - lo > 1:                    # last parent whose offset is <= s
-                    mid = (lo + hi) // 2
+        nproc = 0
+        first = True
+        while True:
+            nf = 0                                   # frontier: depth-e members, in order
+            for c in range(0, m, T):
+                i = c + tid
+                f = 1 if i < m and gdep[i] == e else 0
+                ex, tot = block_scan(f, tmp, buf)
+                if f == 1:
+                    fr[nf + ex] = i
+                nf += tot
+            cuda.syncthreads()
+            if first and nf == 0:
+                alive = False
+            first = False
+            if nproc >= nf:
+                break
+            full = m == budget
+            wq = gq[m - 1]
+            wt = gaux[m - 1] & M10
+            nrem = nf - nproc
+            total = 0
+            for c in range(0, nrem, T):              # how many children of each parent can enter
+                jl = c + tid
+                cnt = 0
+                if jl < nrem:
+                    j = nproc + jl
+                    p = fr[j]
+                    cnt = min(k, budget // (j + 1), (budget - 1 - p) // (jl + 1))
+                    if full and cnt > 0:
+                        pq = gq[p]
+                        pt = gaux[p] & M10
+                        lo = 0
+                        hi = cnt
+                        while lo < hi:
+                            mid = (lo + hi) // 2
+                            if g_before(wq, wt, pq + q_of(lp[mid]), pt):
+                                hi = mid
+                            else:
+                                lo = mid + 1
+                        cnt = lo
+                ex, tot = block_scan(cnt, tmp, buf)
+                if jl < nrem:
+                    off[jl] = total + ex
+                total += tot
+            if tid == 0:
+                off[nrem] = total
+            cuda.syncthreads()
+            if total == 0:
+                break
+            lo = 0                                   # batch: parents [0, nb) with off[nb] <= NEWCAP
+            hi = nrem
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if off[mid] <= NEWCAP:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            nb = lo
+            n = off[nb]
+            for s in range(tid, n, T):               # materialize
+                lo = 0
+                hi = nb - 1
+                while lo < hi:                       # last parent whose offset is <= s
+                    mid = (lo + hi + 1) // 2
                     if off[mid] <= s:
                         lo = mid
                     else:
-                        hi = mid
+                        hi = mid - 1
                 r = s - off[lo]
-                p = par[lo]
-                ns[s] = gs[cur * BMAX + p] + np.float64(lp[r])
-                c0, c1, c2 = with_digit(g_tup[cur, p, 0], g_tup[cur, p, 1], g_tup[cur, p, 2], e, r)
-                nt[s, 0] = c0
-                nt[s, 1] = c1
-                nt[s, 2] = c2
-                pm[s] = s
-            else:
-                pm[s] = -1
-        sort_new(pm, n2, ns, nt)
-        nxt = 1 - cur
-        for i in range(tid, m, T):                    # merge: G members move down by the new before them
-            s = gs[cur * BMAX + i]
-            t0, t1, t2 = g_tup[cur, i, 0], g_tup[cur, i, 1], g_tup[cur, i, 2]
-            lo = np.int64(0)
-            hi = nnew
-            while lo < hi:
-                mid = (lo + hi) // 2
-                x = pm[mid]
-                if ns[x] > s or (ns[x] == s and tup_less(nt[x, 0], nt[x, 1], nt[x, 2], t0, t1, t2)):
-                    lo = mid + 1
-                else:
-                    hi = mid
-            pos = i + lo
-            if pos < budget:
-                gs[nxt * BMAX + pos] = s
-                g_tup[nxt, pos, 0] = t0
-                g_tup[nxt, pos, 1] = t1
-                g_tup[nxt, pos, 2] = t2
-                g_dep[nxt * BMAX + pos] = g_dep[cur * BMAX + i]
-        for q in range(tid, min(nnew, budget), T):    # ... and the new ones by the G before them
-            x = pm[q]
-            s = ns[x]
-            t0, t1, t2 = nt[x, 0], nt[x, 1], nt[x, 2]
-            pos = q + count_g_before(gs, g_tup, cur, m, s, t0, t1, t2)
-            if pos < budget:
-                gs[nxt * BMAX + pos] = s
-                g_tup[nxt, pos, 0] = t0
-                g_tup[nxt, pos, 1] = t1
-                g_tup[nxt, pos, 2] = t2
-                g_dep[nxt * BMAX + pos] = e + 1
-        m = min(budget, m + nnew)
-        cur = nxt
+                p = fr[nproc + lo]
+                nq[s] = gq[p] + q_of(lp[r])
+                nk[s] = ((gaux[p] & M10) << 20) | (r << 10) | p
+            cuda.syncthreads()
+            sort_new(nq, nk, n, sq, sk, buf)
+            for a in range(GA):                      # merge: G members move down by the new before them
+                i = tid + a * T
+                if i < m:
+                    qg = gq[i]
+                    tg = gaux[i] & M10
+                    lo = 0
+                    hi = n
+                    while lo < hi:
+                        mid = (lo + hi) // 2
+                        if g_before(qg, tg, nq[mid], nk[mid] >> 20):
+                            hi = mid
+                        else:
+                            lo = mid + 1
+                    rq[a] = qg
+                    ra[a] = gaux[i]
+                    rd[a] = gdep[i]
+                    rp[a] = i + lo
+            for a in range(NA):                      # ... and the new ones by the G members before them
+                q = tid + a * T
+                if q < n:
+                    qc = nq[q]
+                    kc = nk[q]
+                    tp = kc >> 20
+                    lo = 0
+                    hi = m
+                    while lo < hi:
+                        mid = (lo + hi) // 2
+                        if g_before(gq[mid], gaux[mid] & M10, qc, tp):
+                            lo = mid + 1
+                        else:
+                            hi = mid
+                    sq[a] = qc
+                    sk[a] = kc
+                    sp[a] = q + lo
+            for i in range(tid, m, T):
+                off[i] = 0
+            cuda.syncthreads()
+            for a in range(GA):                      # old -> new index; kept counts by tuple rank
+                i = tid + a * T
+                if i < m:
+                    fr[i] = rp[a]
+                    if rp[a] < budget:
+                        cuda.atomic.add(off, ra[a] & M10, 1)
+            for a in range(NA):
+                if tid + a * T < n and sp[a] < budget:
+                    cuda.atomic.add(off, sk[a] >> 20, 1)
+            cuda.syncthreads()
+            base = 0
+            for c in range(0, m, T):                 # exclusive scan over tuple ranks
+                i = c + tid
+                v = off[i] if i < m else 0
+                ex, tot = block_scan(v, tmp, buf)
+                if i < m:
+                    off[i] = base + ex
+                base += tot
+            cuda.syncthreads()
+            for a in range(GA):
+                i = tid + a * T
+                if i < m and rp[a] < budget:
+                    aux = ra[a]
+                    par = fr[aux >> 20] if rd[a] > 1 else 0
+                    gq[rp[a]] = rq[a]
+                    gaux[rp[a]] = (np.int32(par) << 20) | (aux & (M10 << 10)) | off[aux & M10]
+                    gdep[rp[a]] = rd[a]
+            for a in range(NA):
+                if tid + a * T < n and sp[a] < budget:
+                    kc = sk[a]
+                    r = (kc >> 10) & M10
+                    gq[sp[a]] = sq[a]
+                    gaux[sp[a]] = (np.int32(fr[kc & M10]) << 20) | (r << 10) | (off[kc >> 20] + 1 + r)
+                    gdep[sp[a]] = e + 1
+            cuda.syncthreads()
+            m = min(budget, m + n)
+            nproc += nb
+            if nb == nrem:
+                break
+        e += 1
     cuda.syncthreads()
-    for i in range(tid, m, T):                        # output in order; parents by key search
-        s = gs[cur * BMAX + i]
-        t0, t1, t2 = g_tup[cur, i, 0], g_tup[cur, i, 1], g_tup[cur, i, 2]
-        d = np.int64(g_dep[cur * BMAX + i])
-        r = digit_of(t0, t1, t2, d - 1)
-        out_tok[i] = top_id[d - 1, r]
+    for i in range(tid, m, T):                       # output in order
+        aux = gaux[i]
+        d = np.int64(gdep[i])
+        out_tok[i] = top_id[d - 1, (aux >> 10) & M10]
         out_dep[i] = d
-        out_score[i] = s
-        if d == 1:
-            out_par[i] = 0
-        else:
-            q0, q1, q2 = with_digit(t0, t1, t2, d - 1, -1 - (r + 1))   # subtract the digit
-            q = count_g_before(gs, g_tup, cur, m, s - np.float64(top_lp[d - 1, r]), q0, q1, q2)
-            out_par[i] = q + 1
+        out_par[i] = (aux >> 20) + 1 if d > 1 else 0
+        out_score[i] = np.float64(gq[i]) / SCALE
     if tid == 0:
         out_n[0] = m
-

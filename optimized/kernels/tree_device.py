@@ -49,6 +49,16 @@ if SIM:
         return y
 
     @cuda.jit(device=True)
+    def shfl_xor(x, mask, buf):
+        """Value of lane ^ mask (mask < WARP)."""
+        tid = cuda.threadIdx.x
+        buf[tid] = x
+        cuda.syncthreads()
+        y = buf[tid ^ mask]
+        cuda.syncthreads()
+        return y
+
+    @cuda.jit(device=True)
     def f32_bits(x):
         """The int32 bit pattern of an fp32 value."""
         return np.int64(np.array([x], dtype=np.float32).view(np.int32)[0])
@@ -65,6 +75,10 @@ else:
     @cuda.jit(device=True, inline=True)
     def shfl_idx(x, src, buf):
         return cuda.shfl_sync(FULL_MASK, x, src)
+
+    @cuda.jit(device=True, inline=True)
+    def shfl_xor(x, mask, buf):
+        return cuda.shfl_xor_sync(FULL_MASK, x, mask)
 
     @cuda.jit(device=True, inline=True)
     def f32_bits(x):

@@ -2,28 +2,25 @@
 (log-prob descending, token id ascending), exactly as reference.tree.ranked_candidates.
 
 Launch geometry: grid (P chunks, L rows), T threads per block; a chunk is C consecutive token ids of one row,
-read in sub-chunks of T * EPT (each thread first loads its EPT values, unrolled, so the loads are in flight
-together). Four launches of three kernels:
-    topk_stats            per chunk: the block's max logit, then sum exp(x - max) in fp64 (one exp per element,
-                          no branch); the last block of the row (atomic counter) combines the chunks in a fixed
-                          order (deterministic) into lse[row]. The same pass histograms digit 0 of the logits'
-                          sortable keys.
-    topk_hist level 1, 2  radix select on the 32-bit sortable key of the raw fp32 LOGIT (11 + 11 + 10 bits;
-                          integer work only): each level finds the bucket holding the K-th largest key from the
-                          previous level's histogram (every block redundantly, from a shared-memory copy) and
-                          histograms the next digit.
-    topk_gather           x_K = the K-th largest logit, lp_K = its grid log-prob. The log-prob is a non-decreasing
-                          function of the logit, so lp_K is the K-th largest log-prob, every token with lp > lp_K has
-                          x > x_K, and a token with lp == lp_K has x >= x_K or x within a few fp32 ulps of
-                          x_K - lse below it (grid_log_prob's fp32 rounding can merge distinct logits). So the fp64
-                          log-prob is formed only for x > x_K (fewer than K), x == x_K and that thin band; every
-                          other token is settled by one integer compare. Tokens with lp > lp_K are all taken, ties
-                          at lp_K lowest id first (ordered per chunk, chunks in id order); the last block of the row
-                          sorts the K by (lp desc, id asc) with a bitonic sort in shared memory, writes lp and ids,
-                          and zeroes the row's histograms and counters for the next call.
-                          When lp_K is the floor -2^21 (or x_K is not finite) every token takes the fp64 path.
-Napkin: V = 163,840, L = 15: the logits are 9.8 MB (read once from HBM, then 3 times from the 60 MB L2),
-2.5 M fp64 exps (~4 us of FP64 issue on an H200); the launches (~2-4 us each on the device) dominate.
+read in sub-chunks of T * EPT (each thread loads its EPT values unrolled, so the loads are in flight together).
+Two launches:
+    topk_stats    per chunk: max and sum exp(x - max) in fp64 (online per sub-chunk: one exp per element plus
+                  one per sub-chunk), and a 4096-bin histogram of the top 12 bits of each logit's sortable key.
+                  The last block of the row (atomic counter) combines the chunks in a fixed order into lse[row]
+                  (deterministic), finds the bucket b holding the K-th largest logit, and zeroes the row's
+                  histogram for the next call.
+    topk_filter   per chunk: every token with x >= lo(b) - band is a candidate (band: a few fp32 ulps of |x - lse|
+                  plus the 2^-28 grid, so every token whose grid log-prob can equal the K-th largest one is in);
+                  its composite key (sortable(lp) - 2^31) << 32 | (2^32 - 1 - id) -- larger is better, unique -- goes
+                  to the row's candidate list. The last block of the row radix-selects the K-th largest composite
+                  key (8 passes of 8 bits over at most CAP keys in shared memory), compacts the K keys above it,
+                  sorts them (bitonic) and writes lp and ids. When the candidates overflow CAP (tie-heavy rows: equal,
+                  integer, collapsing logits) or lo(b) is not usable (-inf, the -2^21 floor), the same select runs
+                  over the whole row, recomputing each token's key per pass (exact, slow, tie-heavy rows only).
+Exactness: lp(x) = grid(fp32(x - lse)) is non-decreasing in x, so every token with lp >= lp_K (lp_K the
+log-prob of the K-th largest logit x_K >= lo(b)) has x >= lo(b) - band; the candidates therefore hold the top K.
+Napkin: V = 163,840, L = 15: the logits are 9.8 MB (read from HBM once, then from the 60 MB L2 once), 2.5 M fp64
+exps (~3 us of FP64 issue over the GPU), a few thousand candidates; two launches.
 """
 from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shim)
 
@@ -34,54 +31,16 @@ from numba import cuda
 
 from .tree_device import KERNEL, LP_FLOOR, SIM, TBUF, block_scan, grid_log_prob, key_value, sortable_key
 
-NB = 2048            # histogram bins (11-bit digits; the last digit uses 1024)
+NB = 4096            # digit-0 histogram bins: the top 12 bits of the 32-bit sortable key
+SHIFT0 = 20          # key >> SHIFT0 is the bin
 KMAX = 1024          # largest K (the budget limit)
+CAP = 64 if SIM else 4096   # candidates selected in shared memory (more: the whole-row path)
 PMAX = 128           # most chunks per row
-PMAX1 = PMAX + 1
 TMAX = 1024          # largest block
-TOP = 2 ** 31 - 1    # composite candidate = key * 2^31 + (TOP - id): larger is better
+RB = 256             # radix bins of the final select (8-bit digits)
 EPT = 2 if SIM else 16   # values per thread per sub-chunk (a sub-chunk is T * EPT ids)
-
-
-@cuda.jit(device=True)
-def find_bucket(hist, row, level, nbins, k, bins, tmp, buf, shr):
-    """Bucket of hist[row, level, :nbins] holding the k-th largest key (1-based) and k's rank inside it.
-    bins: shared int32[NB], receives a copy of the histogram (four loads in flight per thread)."""
-    tid = cuda.threadIdx.x
-    T = cuda.blockDim.x
-    i = tid
-    while i + 3 * T < nbins:
-        a = hist[row, level, i]
-        b = hist[row, level, i + T]
-        c = hist[row, level, i + 2 * T]
-        d = hist[row, level, i + 3 * T]
-        bins[i] = a
-        bins[i + T] = b
-        bins[i + 2 * T] = c
-        bins[i + 3 * T] = d
-        i += 4 * T
-    while i < nbins:
-        bins[i] = hist[row, level, i]
-        i += T
-    cuda.syncthreads()
-    per = (nbins + T - 1) // T
-    local = np.int64(0)
-    for q in range(tid * per, min(nbins, (tid + 1) * per)):         # q-th bin from the top
-        local += bins[nbins - 1 - q]
-    before, total = block_scan(local, tmp, buf)
-    if before < k <= before + local:
-        cum = before
-        for q in range(tid * per, min(nbins, (tid + 1) * per)):
-            c = bins[nbins - 1 - q]
-            if cum + c >= k:
-                shr[0] = nbins - 1 - q
-                shr[1] = k - cum
-                break
-            cum += c
-    cuda.syncthreads()
-    b, kr = shr[0], shr[1]
-    cuda.syncthreads()
-    return b, kr
+LOW = 0xFFFFFFFF     # composite key: high word sortable(lp) - 2^31, low word LOW - id
+NEG = -(2 ** 63)     # sorts after every composite key
 
 
 @cuda.jit(device=True)
@@ -92,248 +51,150 @@ def load_values(x, row, base, hi, vals):
         vals[j] = x[row, min(base + j * T + cuda.threadIdx.x, hi - 1)]
 
 
+@cuda.jit(device=True)
+def composite(x, i, ls):
+    """Composite key of token i with logit x: larger = earlier in (lp desc, id asc)."""
+    return ((sortable_key(grid_log_prob(x, ls)) - np.int64(0x80000000)) << 32) | (np.int64(LOW) - i)
+
+
+@cuda.jit(device=True)
+def find_bin(bins, nbins, k, tmp, buf, shr):
+    """(b, r): the bin of bins[:nbins] holding the k-th largest item (1-based, counted from the top bin) and k's
+    rank inside it. Each thread sums a run of bins, one block scan finds the run, its thread the bin."""
+    tid = cuda.threadIdx.x
+    T = cuda.blockDim.x
+    per = (nbins + T - 1) // T
+    local = np.int64(0)
+    for q in range(tid * per, min(nbins, (tid + 1) * per)):
+        local += bins[nbins - 1 - q]
+    before, _ = block_scan(local, tmp, buf)
+    if before < k <= before + local:
+        cum = before
+        for q in range(tid * per, min(nbins, (tid + 1) * per)):
+            c = bins[nbins - 1 - q]
+            if cum + c >= k:
+                shr[0] = nbins - 1 - q
+                shr[1] = k - cum
+                break
+            cum += c
+    cuda.syncthreads()
+    b, r = shr[0], shr[1]
+    cuda.syncthreads()
+    return b, r
+
+
 @cuda.jit(**KERNEL)
-def topk_stats(x, vocab, chunk, part_m, part_s, lse, hist, done):
+def topk_stats(x, vocab, chunk, k, part_m, part_s, lse, hist, done, sel):
     p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
     T = cuda.blockDim.x
     nparts = cuda.gridDim.x
     red_m = cuda.shared.array(TMAX, np.float64)
     red_s = cuda.shared.array(TMAX, np.float64)
     sh = cuda.shared.array(NB, np.int32)
-    last = cuda.shared.array(1, np.int32)
-    vals = cuda.local.array(EPT, np.float32)
-    for i in range(tid, NB, T):
-        sh[i] = 0
-    cuda.syncthreads()
-    lo = p * chunk
-    hi = min(vocab, lo + chunk)
-    m = np.float32(-math.inf)                                   # pass 1: max, digit-0 histogram of the keys
-    for base in range(lo, hi, T * EPT):
-        load_values(x, row, base, hi, vals)
-        for j in range(EPT):
-            if base + j * T + tid < hi:
-                v = vals[j]
-                m = max(m, v)
-                cuda.atomic.add(sh, sortable_key(v) >> 21, 1)
-    red_m[tid] = np.float64(m)
-    h = T // 2
-    while h > 0:
-        cuda.syncthreads()
-        if tid < h:
-            red_m[tid] = max(red_m[tid], red_m[tid + h])
-        h //= 2
-    cuda.syncthreads()
-    mb = red_m[0]
-    s = 0.0                                                     # pass 2: sum exp(x - block max), fp64
-    if mb > -math.inf:
-        for base in range(lo, hi, T * EPT):
-            load_values(x, row, base, hi, vals)
-            for j in range(EPT):
-                if base + j * T + tid < hi:
-                    s += math.exp(np.float64(vals[j]) - mb)    # exp(-inf) = 0 for masked tokens
-    red_s[tid] = s
-    h = T // 2
-    while h > 0:
-        cuda.syncthreads()
-        if tid < h:
-            red_s[tid] += red_s[tid + h]
-        h //= 2
-    for i in range(tid, NB, T):
-        c = sh[i]
-        if c != 0:
-            cuda.atomic.add(hist, (row, 0, i), c)
-    cuda.syncthreads()
-    if tid == 0:
-        part_m[row, p] = mb
-        part_s[row, p] = red_s[0]
-        cuda.threadfence()
-        last[0] = 1 if cuda.atomic.add(done, row, 1) == nparts - 1 else 0
-    cuda.syncthreads()
-    if last[0] == 0:
-        return
-    # Last block of the row: lse = M + log(sum_p s_p exp(m_p - M)), combined over PMAX fixed slots in a fixed
-    # pairing, so the bits do not depend on which block came last or on T.
-    cuda.threadfence()
-    for q in range(tid, PMAX, T):
-        red_m[q] = cuda.atomic.add(part_m, (row, q), 0.0) if q < nparts else -math.inf
-    h = PMAX // 2
-    while h > 0:
-        cuda.syncthreads()
-        for q in range(tid, h, T):
-            red_m[q] = max(red_m[q], red_m[q + h])
-        h //= 2
-    cuda.syncthreads()
-    mx = red_m[0]
-    cuda.syncthreads()
-    for q in range(tid, PMAX, T):
-        red_s[q] = 0.0
-        if q < nparts:
-            sq = cuda.atomic.add(part_s, (row, q), 0.0)
-            if sq > 0.0:
-                red_s[q] = sq * math.exp(cuda.atomic.add(part_m, (row, q), 0.0) - mx)
-    h = PMAX // 2
-    while h > 0:
-        cuda.syncthreads()
-        for q in range(tid, h, T):
-            red_s[q] += red_s[q + h]
-        h //= 2
-    cuda.syncthreads()
-    if tid == 0:
-        lse[row] = mx + math.log(red_s[0])
-        done[row] = 0
-
-
-@cuda.jit(**KERNEL)
-def topk_hist(x, vocab, chunk, hist, sel, level, k):
-    p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
-    T = cuda.blockDim.x
-    sh = cuda.shared.array(NB, np.int32)
-    bins = cuda.shared.array(NB, np.int32)
     tmp = cuda.shared.array(32, np.int64)
     buf = cuda.shared.array(TBUF, np.int64)
+    flag = cuda.shared.array(1, np.int32)
     shr = cuda.shared.array(2, np.int64)
     vals = cuda.local.array(EPT, np.float32)
     for i in range(tid, NB, T):
         sh[i] = 0
-    b1 = np.int64(0)
-    b2 = np.int64(0)
-    if level == 1:
-        b1, k1 = find_bucket(hist, row, 0, NB, k, bins, tmp, buf, shr)
-        if p == 0 and tid == 0:
-            sel[row, 0] = b1
-            sel[row, 1] = k1
-    elif level == 2:
-        b1 = sel[row, 0]
-        b2, k2 = find_bucket(hist, row, 1, NB, sel[row, 1], bins, tmp, buf, shr)
-        if p == 0 and tid == 0:
-            sel[row, 2] = b2
-            sel[row, 3] = k2
     cuda.syncthreads()
-    prefix = (b1 << 11) | b2
     lo = p * chunk
     hi = min(vocab, lo + chunk)
+    m = -math.inf
+    s = 0.0
     for base in range(lo, hi, T * EPT):
         load_values(x, row, base, hi, vals)
+        mt = np.float32(-math.inf)
         for j in range(EPT):
             if base + j * T + tid < hi:
-                key = sortable_key(vals[j])
-                if level == 1:
-                    if (key >> 21) == b1:
-                        cuda.atomic.add(sh, (key >> 10) & 0x7FF, 1)
-                elif (key >> 10) == prefix:
-                    cuda.atomic.add(sh, key & 0x3FF, 1)
-    cuda.syncthreads()
+                mt = max(mt, vals[j])
+                cuda.atomic.add(sh, sortable_key(vals[j]) >> SHIFT0, 1)
+        mn = max(m, np.float64(mt))
+        if mn > -math.inf:
+            s *= math.exp(m - mn) if m > -math.inf else 0.0
+            for j in range(EPT):
+                if base + j * T + tid < hi:
+                    s += math.exp(np.float64(vals[j]) - mn)     # exp(-inf) = 0 for masked tokens
+            m = mn
+    red_m[tid] = m
+    red_s[tid] = s
+    h = T // 2
+    while h > 0:                                 # fixed pairing: the bits do not depend on timing
+        cuda.syncthreads()
+        if tid < h:
+            ma, mb = red_m[tid], red_m[tid + h]
+            mm = max(ma, mb)
+            sa = red_s[tid] * math.exp(ma - mm) if ma > -math.inf else 0.0
+            sb = red_s[tid + h] * math.exp(mb - mm) if mb > -math.inf else 0.0
+            red_m[tid] = mm
+            red_s[tid] = sa + sb
+        h //= 2
     for i in range(tid, NB, T):
         c = sh[i]
         if c != 0:
-            cuda.atomic.add(hist, (row, level, i), c)
+            cuda.atomic.add(hist, (row, i), c)
+    cuda.syncthreads()
+    if tid == 0:
+        part_m[row, p] = red_m[0]
+        part_s[row, p] = red_s[0]
+        cuda.threadfence()
+        flag[0] = 1 if cuda.atomic.add(done, row, 1) == nparts - 1 else 0
+    cuda.syncthreads()
+    if flag[0] == 0:
+        return
+    # Last block of the row: lse over PMAX fixed slots in a fixed pairing (independent of which block came last)
+    cuda.threadfence()
+    for q in range(tid, PMAX, T):
+        red_m[q] = part_m[row, q] if q < nparts else -math.inf
+        red_s[q] = part_s[row, q] if q < nparts else 0.0
+    h = PMAX // 2
+    while h > 0:
+        cuda.syncthreads()
+        for q in range(tid, h, T):
+            ma, mb = red_m[q], red_m[q + h]
+            mm = max(ma, mb)
+            sa = red_s[q] * math.exp(ma - mm) if ma > -math.inf else 0.0
+            sb = red_s[q + h] * math.exp(mb - mm) if mb > -math.inf else 0.0
+            red_m[q] = mm
+            red_s[q] = sa + sb
+        h //= 2
+    cuda.syncthreads()
+    if tid == 0:
+        lse[row] = red_m[0] + math.log(red_s[0])
+        done[row] = 0
+    b, kr = find_bin(hist[row], NB, k, tmp, buf, shr)
+    if tid == 0:
+        sel[row, 0] = b
+        sel[row, 1] = k - kr + hist[row, b]      # tokens in bins >= b
+    cuda.syncthreads()
+    for i in range(tid, NB, T):                 # clean for the next call
+        hist[row, i] = 0
 
 
 @cuda.jit(device=True)
-def lp_key_if_near(v, kx, thr, thr_x, ls, band, slow):
-    """sortable key of grid_log_prob(v) when it can reach the threshold's (x >= x_K, or inside the band below
-    it, or slow mode), else -1 (certainly below: no fp64 work)."""
-    if kx >= thr or slow or np.float64(thr_x) - np.float64(v) <= band:
-        return sortable_key(grid_log_prob(v, ls))
-    return np.int64(-1)
-
-
-@cuda.jit(**KERNEL)
-def topk_gather(x, vocab, chunk, lse, hist, sel, k, counters, cand, eq_ids, eq_cnt, top_lp, top_id):
-    p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
+def radix_select(keys, n, k, row_x, row, ls, whole, bins, tmp, buf, shr):
+    """The k-th largest of n distinct int64 keys (keys[:n] in shared memory, or -- whole=True -- the composite
+    keys of the whole row row_x[row, :n], recomputed per pass). 8 passes of 8 bits, most significant first."""
+    tid = cuda.threadIdx.x
     T = cuda.blockDim.x
-    nparts = cuda.gridDim.x
-    tmp = cuda.shared.array(32, np.int64)
-    buf = cuda.shared.array(TBUF, np.int64)
-    shr = cuda.shared.array(2, np.int64)
-    off = cuda.shared.array(PMAX1, np.int64)
-    keys = cuda.shared.array(KMAX, np.int64)
-    bins = cuda.shared.array(NB, np.int32)
-    vals = cuda.local.array(EPT, np.float32)
-    b3, _ = find_bucket(hist, row, 2, NB // 2, sel[row, 3], bins, tmp, buf, shr)
-    thr = (sel[row, 0] << 21) | (sel[row, 2] << 10) | b3           # key of the K-th largest logit x_K
-    thr_x = key_value(thr)
-    ls = lse[row]
-    thr_lp = grid_log_prob(thr_x, ls)                              # the K-th largest log-prob
-    thr_lk = sortable_key(thr_lp)
-    slow = not (thr_lp > LP_FLOOR) or not (abs(thr_x) < math.inf)
-    band = (abs(np.float64(thr_x) - ls) + 1.0) * 4.76837158203125e-07      # 2^-21: >= 4 fp32 ulps + the grid
-    lo = p * chunk
-    hi = min(vocab, lo + chunk)
-    n_eq = np.int64(0)
-    for base in range(lo, hi, T * EPT):
-        load_values(x, row, base, hi, vals)
-        for j in range(EPT):
-            i = base + j * T + tid
-            if i < hi:
-                lk = lp_key_if_near(vals[j], sortable_key(vals[j]), thr, thr_x, ls, band, slow)
-                if lk > thr_lk:
-                    slot = cuda.atomic.add(counters, (row, 0), 1)
-                    cand[row, slot] = lk * (TOP + 1) + (TOP - i)
-                elif lk == thr_lk:
-                    n_eq += 1
-    _, eq_total = block_scan(n_eq, tmp, buf)
-    if eq_total > 0:                     # ties at the threshold: lowest ids first, in id order (up to K per chunk)
-        per = (hi - lo + T - 1) // T
-        s0 = min(hi, lo + tid * per)
-        s1 = min(hi, s0 + per)
-        mine = np.int64(0)
-        for i in range(s0, s1):
-            v = x[row, i]
-            if lp_key_if_near(v, sortable_key(v), thr, thr_x, ls, band, slow) == thr_lk:
-                mine += 1
-        r, _ = block_scan(mine, tmp, buf)
-        for i in range(s0, s1):
-            v = x[row, i]
-            if r < k and lp_key_if_near(v, sortable_key(v), thr, thr_x, ls, band, slow) == thr_lk:
-                eq_ids[row, p, r] = i
-                r += 1
-    if tid == 0:
-        eq_cnt[row, p] = min(eq_total, k)
-    cuda.threadfence()
-    cuda.syncthreads()
-    if tid == 0:
-        shr[0] = 1 if cuda.atomic.add(counters, (row, 1), 1) == nparts - 1 else 0
-    cuda.syncthreads()
-    if shr[0] == 0:
-        return
-    # The last block of this row: the ngt tokens above lp_K, then the first K - ngt ties in chunk order; sort,
-    # write. What other blocks wrote is read with atomics (served by L2), so no stale L1 line can be seen.
-    cuda.threadfence()
-    ngt = np.int64(cuda.atomic.add(counters, (row, 0), 0))
-    need = k - ngt
-    base_q = np.int64(0)
-    for c in range(0, nparts, T):                                  # off[q] = sum of eq_cnt[:q]
-        q = c + tid
-        cnt = np.int64(cuda.atomic.add(eq_cnt, (row, q), 0)) if q < nparts else np.int64(0)
-        ex, tot = block_scan(cnt, tmp, buf)
-        if q < nparts:
-            off[q] = base_q + ex
-        base_q += tot
-    if tid == 0:
-        off[nparts] = base_q
-    n2 = 1
-    while n2 < k:
-        n2 *= 2
-    for r in range(tid, n2, T):
-        keys[r] = cuda.atomic.add(cand, (row, r), 0) if r < ngt else np.int64(-1)
-    cuda.syncthreads()
-    for q in range(nparts):
-        for r in range(tid, off[q + 1] - off[q], T):
-            pos = off[q] + r
-            if pos < need:
-                keys[ngt + pos] = thr_lk * (TOP + 1) + (TOP - cuda.atomic.add(eq_ids, (row, q, r), 0))
-    bitonic_sort_desc(keys, n2)
-    for r in range(tid, k, T):
-        tok = TOP - (keys[r] & TOP)
-        top_id[row, r] = tok
-        top_lp[row, r] = grid_log_prob(x[row, tok], ls)
-    nh = hist.shape[1] * hist.shape[2]                             # clean for the next call
-    for i in range(tid, nh, T):
-        hist[row, i // hist.shape[2], i % hist.shape[2]] = 0
-    if tid == 0:
-        counters[row, 0] = 0
-        counters[row, 1] = 0
+    prefix = np.int64(0)        # the selected top digits of u = key ^ sign (unsigned order), 8 per pass
+    kk = np.int64(k)
+    for d in range(8):
+        shift = 56 - 8 * d
+        high = np.int64(1) << (8 * d)
+        for i in range(tid, RB, T):
+            bins[i] = 0
+        cuda.syncthreads()
+        for i in range(tid, n, T):
+            key = composite(row_x[row, i], i, ls) if whole else keys[i]
+            u = key ^ np.int64(NEG)
+            if d == 0 or ((u >> (shift + 8)) & (high - 1)) == prefix:
+                cuda.atomic.add(bins, (u >> shift) & 0xFF, 1)
+        cuda.syncthreads()
+        b, kk = find_bin(bins, RB, kk, tmp, buf, shr)
+        prefix = (prefix << 8) | b
+    return prefix ^ np.int64(NEG)
 
 
 @cuda.jit(device=True)
@@ -356,3 +217,82 @@ def bitonic_sort_desc(keys, n):
             stride //= 2
         size *= 2
     cuda.syncthreads()
+
+
+@cuda.jit(**KERNEL)
+def topk_filter(x, vocab, chunk, k, lse, sel, counters, cand, top_lp, top_id):
+    p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
+    T = cuda.blockDim.x
+    nparts = cuda.gridDim.x
+    keys = cuda.shared.array(CAP, np.int64)
+    bins = cuda.shared.array(RB, np.int32)
+    tmp = cuda.shared.array(32, np.int64)
+    buf = cuda.shared.array(TBUF, np.int64)
+    shr = cuda.shared.array(2, np.int64)
+    vals = cuda.local.array(EPT, np.float32)
+    ls = lse[row]
+    lo_x = key_value(sel[row, 0] << SHIFT0)                     # smallest value of bin b
+    lo_lp = grid_log_prob(lo_x, ls)
+    whole = sel[row, 1] > CAP or not (lo_lp > LP_FLOOR) or not (abs(lo_x) < math.inf)
+    cut = np.float64(lo_x) - (abs(np.float64(lo_x) - ls) + 1.0) * 4.76837158203125e-07   # 2^-21 band
+    if not whole:
+        lo = p * chunk
+        hi = min(vocab, lo + chunk)
+        for base in range(lo, hi, T * EPT):
+            load_values(x, row, base, hi, vals)
+            for j in range(EPT):
+                i = base + j * T + tid
+                if i < hi and np.float64(vals[j]) >= cut:
+                    slot = cuda.atomic.add(counters, (row, 0), 1)
+                    if slot < CAP:
+                        cand[row, slot] = composite(vals[j], i, ls)
+    cuda.threadfence()
+    cuda.syncthreads()
+    if tid == 0:
+        shr[0] = 1 if cuda.atomic.add(counters, (row, 1), 1) == nparts - 1 else 0
+    cuda.syncthreads()
+    if shr[0] == 0:
+        return
+    cuda.threadfence()
+    n = np.int64(counters[row, 0])
+    whole = whole or n > CAP
+    if whole:
+        n = np.int64(vocab)
+    else:
+        for i in range(tid, n, T):
+            keys[i] = cand[row, i]
+    cuda.syncthreads()
+    thr = radix_select(keys, n, k, x, row, ls, whole, bins, tmp, buf, shr)
+    # compact the k keys >= thr (distinct keys: exactly k) to the front, in any order, then sort them
+    if whole:
+        if tid == 0:
+            shr[0] = 0
+        cuda.syncthreads()
+        for i in range(tid, n, T):
+            key = composite(x[row, i], i, ls)
+            if key >= thr:
+                keys[cuda.atomic.add(shr, 0, 1)] = key
+    else:
+        front = np.int64(0)
+        for c in range(0, n, T):                 # in place: every read of a chunk precedes (scan barrier) its writes
+            i = c + tid
+            key = keys[i] if i < n else np.int64(NEG)
+            take = 1 if i < n and key >= thr else 0
+            ex, tot = block_scan(take, tmp, buf)
+            if take == 1:
+                keys[front + ex] = key
+            front += tot
+    cuda.syncthreads()
+    n2 = 1
+    while n2 < k:
+        n2 *= 2
+    for i in range(k + tid, n2, T):
+        keys[i] = NEG
+    bitonic_sort_desc(keys, n2)
+    for r in range(tid, k, T):
+        key = keys[r]
+        top_id[row, r] = np.int64(LOW) - (key & np.int64(LOW))
+        top_lp[row, r] = key_value((key >> 32) + np.int64(0x80000000))
+    if tid == 0:
+        counters[row, 0] = 0
+        counters[row, 1] = 0

@@ -1,6 +1,7 @@
 """Tree compile, acceptance walk and KV commit on the GPU (the stages after build_tree).
 
-compile_rows   grid over (row, word) pairs, one thread each: walks the row's ancestor chain (<= L steps) and
+compile_rows   grid over (row, word) pairs, one thread each: every block first copies the parents to shared
+               memory (one coalesced load), then each thread walks its row's ancestor chain (<= L steps) there and
                writes one 32-bit word of the packed visibility plus its 32 booleans; word-0 threads also
                write ids, positions, parents and depths of their row.
                Packed format: words per row W = ceil((n+1)/32); bit b of word w of row i is vis[i, 32w+b];
@@ -18,13 +19,20 @@ from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shi
 import numpy as np
 from numba import cuda
 
-from .tree_device import KERNEL
+from .tree_device import KERNEL, SIM
+
+ROWS_MAX = 65 if SIM else 1025   # budget + 1 (tree_beam.BMAX + 1)
 
 
 @cuda.jit(**KERNEL)
-def compile_rows(tokens, depths, parents, root, start, ids, positions, par_out, dep_out, vis, bits):
+def compile_rows(tokens, depths, parents, root_arr, root_val, start, ids, positions, par_out, dep_out, vis, bits):
     rows = ids.shape[0]
     words = bits.shape[1]
+    tid = cuda.threadIdx.x
+    sp = cuda.shared.array(ROWS_MAX, np.int16)      # parent of node j (j >= 1), read from shared memory
+    for j in range(tid, rows - 1, cuda.blockDim.x):
+        sp[j + 1] = parents[j]
+    cuda.syncthreads()
     g = cuda.grid(1)
     if g >= rows * words:
         return
@@ -32,21 +40,21 @@ def compile_rows(tokens, depths, parents, root, start, ids, positions, par_out, 
     w = g - i * words
     if w == 0:
         if i == 0:
-            ids[0] = root[0]
+            ids[0] = root_arr[0] if root_val < 0 else root_val
             positions[0] = start
             par_out[0] = -1
             dep_out[0] = 0
         else:
             ids[i] = tokens[i - 1]
             positions[i] = start + depths[i - 1]
-            par_out[i] = parents[i - 1]
+            par_out[i] = sp[i]
             dep_out[i] = depths[i - 1]
     word = np.int64(0)
     j = np.int64(i)
     while j >= 0:                        # i, its parent, ..., the root
         if j // 32 == w:
             word |= np.int64(1) << (j % 32)
-        j = parents[j - 1] if j > 0 else np.int64(-1)
+        j = np.int64(sp[j]) if j > 0 else np.int64(-1)
     bits[i, w] = np.int32(word - (np.int64(1) << 32) if word >= (np.int64(1) << 31) else word)
     for b in range(32):
         col = w * 32 + b
