@@ -30,6 +30,7 @@ from numba import cuda
 from .tree_device import KERNEL, SIM, TBUF, WARP, block_scan, shfl_xor
 
 BMAX = 64 if SIM else 1024        # largest budget (and K)
+BMAX1 = BMAX + 1
 NEWCAP = 64 if SIM else 2048      # new candidates per batch: >= BMAX, so one parent's children always fit
 TMIN = 8 if SIM else 1024         # smallest block
 GA = (BMAX + TMIN - 1) // TMIN    # G members per thread
@@ -128,7 +129,7 @@ def sort_new(nq, nk, n, sq, sk, buf):
     cuda.syncthreads()
 
 
-@cuda.jit(**KERNEL)
+@cuda.jit(**KERNEL, launch_bounds=TMIN)           # TMIN threads: <= 64 registers
 def beam(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
     tid = cuda.threadIdx.x
     T = cuda.blockDim.x
@@ -138,7 +139,7 @@ def beam(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n)
     nq = cuda.shared.array(NEWCAP, np.int64)        # the batch's new candidates (also the sort's exchange)
     nk = cuda.shared.array(NEWCAP, np.int32)
     lp = cuda.shared.array(BMAX, np.float32)        # this depth's lp by rank
-    off = cuda.shared.array(BMAX + 1, np.int32)     # per-parent offsets; then kept counts / bases by tuple rank
+    off = cuda.shared.array(BMAX1, np.int32)     # per-parent offsets; then kept counts / bases by tuple rank
     fr = cuda.shared.array(BMAX, np.int16)          # frontier (G indices); then the old -> new G index map
     tmp = cuda.shared.array(32, np.int64)
     buf = cuda.shared.array(TBUF, np.int64)
