@@ -17,7 +17,7 @@ timeout ${BENCH_TIMEOUT:-180} python3 -m pytest bench/test_bench_tree.py $q "$@"
 echo "bench rc=$?"
 
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-timeout ${NCU_TIMEOUT:-90} "$NCU" --kernel-name regex:'topk|beam' --launch-skip 10 --launch-count 5 \
+timeout ${NCU_TIMEOUT:-90} "$NCU" --kernel-name regex:'topk|beam' --launch-skip 6 --launch-count 3 \
   --metrics gpu__time_duration.sum python3 bench/tree_profile.py 15 256 draftlike > "$OUT/ncu_tree.txt" 2>&1
 echo "ncu rc=$? (clock fixed at base; L = 15, budget 256, draft-like)"
 grep -E "^  tree_|gpu__time_duration" "$OUT/ncu_tree.txt" | sed -E 's/\[.*//' | paste - - | awk '{print $1, $(NF)}'

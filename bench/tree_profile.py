@@ -4,10 +4,10 @@
     ncu --kernel-name regex:'topk|beam' --launch-skip 10 --launch-count 10 \\
         --metrics gpu__time_duration.sum python bench/tree_profile.py 15 256 draftlike
 
-(one build is 5 launches: topk_stats, topk_hist x 2, topk_gather, beam; ncu fixes the SM clock at base.) For
+(one build is 3 launches: topk_stats, topk_filter, beam; ncu fixes the SM clock at base.) For
 stall reasons by source line, build the kernels with line info and collect the source counters:
 
-    DDTREE_NUMBA_LINEINFO=1 ncu --kernel-name regex:topk_hist --launch-skip 5 --launch-count 1 --set full \
+    DDTREE_NUMBA_LINEINFO=1 ncu --kernel-name regex:topk_filter --launch-skip 5 --launch-count 1 --set full \
         --import-source yes -o tree_hist python bench/tree_profile.py 15 256 normal"""
 import os
 import sys
