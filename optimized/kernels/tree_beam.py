@@ -38,6 +38,7 @@ NA = (NEWCAP + TMIN - 1) // TMIN  # new candidates per thread
 SCALE = 268435456.0               # 2^28: lp and scores as integers
 PAD_Q = -(2 ** 62)                # a padding candidate's score (real scores are > -2^53)
 PAD_K = 0x7FFFFFFF
+BEAM_JIT = dict(KERNEL) if SIM else dict(KERNEL, launch_bounds=TMIN)   # TMIN threads: <= 64 registers
 M10 = 0x3FF                       # aux = parent << 20 | rank << 10 | tuple rank; new key = t(p) << 20 | r << 10 | p
 
 
@@ -129,7 +130,7 @@ def sort_new(nq, nk, n, sq, sk, buf):
     cuda.syncthreads()
 
 
-@cuda.jit(**KERNEL, launch_bounds=TMIN)           # TMIN threads: <= 64 registers
+@cuda.jit(**BEAM_JIT)
 def beam(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
     tid = cuda.threadIdx.x
     T = cuda.blockDim.x
