@@ -29,7 +29,7 @@ import torch
 from numba import cuda
 from .kernels.tree_beam import BMAX, TMIN, beam
 from .kernels.tree_device import SIM, WARP
-from .kernels.tree_topk import CAP, EPT, NB, PMAX, topk_filter, topk_stats
+from .kernels.tree_topk import CAP, EPT, NB, PMAX, TOPK_TMAX, topk_filter, topk_stats
 from .kernels.tree_verify import commit_kv, compile_rows, follow, gather_rows
 from reference.tree import CompiledTree, Tree, check_build_args, node_count
 
@@ -40,13 +40,13 @@ MAX_DEPTH = 15
 class Config:
     """Launch geometry. Block sizes: multiples of WARP, at most WARP*WARP, powers of two (reductions)."""
     topk_threads: int
-    chunk: int             # fewest token ids per top-K block (raised to spread a row over ~TARGET_BLOCKS / L
-    beam_threads: int      #   blocks, at most PMAX chunks, a multiple of topk_threads * EPT)
+    chunk: int             # fewest token ids per top-K block (raised so that all rows' blocks fit one wave,
+    beam_threads: int      #   a row has at most PMAX chunks, and a chunk is a multiple of topk_threads * EPT)
     follow_threads: int
 
 
-TARGET_BLOCKS = 1 if SIM else 264       # top-K blocks over all rows: two per SM of an H200
-DEFAULT_CONFIG = Config(16, 8, 16, 16) if SIM else Config(256, 4096, 1024, 256)
+WAVE_BLOCKS = 4      # top-K blocks resident per SM (256 threads x 64 registers): the grid is at most one wave
+DEFAULT_CONFIG = Config(16, 8, 16, 16) if SIM else Config(256, 2048, 1024, 256)
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,8 @@ def _check_config(cfg: Config) -> Config:
     for t in (cfg.topk_threads, cfg.beam_threads, cfg.follow_threads):
         if t % WARP or t > WARP * WARP or t & (t - 1):
             raise ValueError(f"block size {t} must be a power of two, a multiple of {WARP}, <= {WARP * WARP}")
+    if not SIM and cfg.topk_threads > TOPK_TMAX:
+        raise ValueError(f"topk_threads {cfg.topk_threads} > {TOPK_TMAX} (the top-K kernels' launch bounds)")
     if cfg.beam_threads < TMIN:
         raise ValueError(f"beam_threads {cfg.beam_threads} < {TMIN}: the beam holds G in registers of >= {TMIN} "
                          "threads")
@@ -120,7 +122,10 @@ class _Workspace:
 
     def __init__(self, device, depth, vocab, k, cfg: Config):
         step = cfg.topk_threads * EPT
-        chunk = max(cfg.chunk, -(-vocab // PMAX), -(-vocab // max(1, TARGET_BLOCKS // depth)))
+        chunk = max(cfg.chunk, -(-vocab // PMAX))
+        if not SIM:
+            wave = WAVE_BLOCKS * torch.cuda.get_device_properties(device).multi_processor_count
+            chunk = max(chunk, -(-vocab // max(1, wave // depth)))
         self.chunk = -(-chunk // step) * step
         self.parts = -(-vocab // self.chunk)
         z = dict(device=device)

@@ -12,9 +12,10 @@ Two launches:
     topk_filter   per chunk: every token with x >= lo(b) - band is a candidate (band: a few fp32 ulps of |x - lse|
                   plus the 2^-28 grid, so every token whose grid log-prob can equal the K-th largest one is in);
                   its composite key (sortable(lp) - 2^31) << 32 | (2^32 - 1 - id) -- larger is better, unique -- goes
-                  to the row's candidate list. The last block of the row radix-selects the K-th largest composite
-                  key (8 passes of 8 bits over at most CAP keys in shared memory), compacts the K keys above it,
-                  sorts them (bitonic) and writes lp and ids. When the candidates overflow CAP (tie-heavy rows: equal,
+                  to the row's candidate list. The last block of the row sorts up to DIRECT candidates whole
+                  (bitonic, shared memory); more than that, it radix-selects the K-th largest composite key (8
+                  passes of 8 bits over at most CAP keys), compacts the K keys above it and sorts those. It writes lp
+                  and ids. When the candidates overflow CAP (tie-heavy rows: equal,
                   integer, collapsing logits) or lo(b) is not usable (-inf, the -2^21 floor), the same select runs
                   over the whole row, recomputing each token's key per pass (exact, slow, tie-heavy rows only).
 Exactness: lp(x) = grid(fp32(x - lse)) is non-decreasing in x, so every token with lp >= lp_K (lp_K the
@@ -38,9 +39,12 @@ CAP = 64 if SIM else 4096   # candidates selected in shared memory (more: the wh
 PMAX = 128           # most chunks per row
 TMAX = 1024          # largest block
 RB = 256             # radix bins of the final select (8-bit digits)
-EPT = 2 if SIM else 16   # values per thread per sub-chunk (a sub-chunk is T * EPT ids)
+EPT = 2 if SIM else 8    # values per thread per sub-chunk (a sub-chunk is T * EPT ids)
+DIRECT = 16 if SIM else 1024   # at most this many candidates: sorted whole, no radix select
 LOW = 0xFFFFFFFF     # composite key: high word sortable(lp) - 2^31, low word LOW - id
 NEG = -(2 ** 63)     # sorts after every composite key
+TOPK_TMAX = 256      # launch bounds: <= 256 threads, 4 blocks per SM (<= 64 registers): the grid is one wave
+TOPK_JIT = dict(KERNEL) if SIM else dict(KERNEL, launch_bounds=(TOPK_TMAX, 4))
 
 
 @cuda.jit(device=True)
@@ -83,7 +87,7 @@ def find_bin(bins, nbins, k, tmp, buf, shr):
     return b, r
 
 
-@cuda.jit(**KERNEL)
+@cuda.jit(**TOPK_JIT)
 def topk_stats(x, vocab, chunk, k, part_m, part_s, lse, hist, done, sel):
     p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
     T = cuda.blockDim.x
@@ -219,7 +223,7 @@ def bitonic_sort_desc(keys, n):
     cuda.syncthreads()
 
 
-@cuda.jit(**KERNEL)
+@cuda.jit(**TOPK_JIT)
 def topk_filter(x, vocab, chunk, k, lse, sel, counters, cand, top_lp, top_id):
     p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
     T = cuda.blockDim.x
@@ -262,31 +266,33 @@ def topk_filter(x, vocab, chunk, k, lse, sel, counters, cand, top_lp, top_id):
         for i in range(tid, n, T):
             keys[i] = cand[row, i]
     cuda.syncthreads()
-    thr = radix_select(keys, n, k, x, row, ls, whole, bins, tmp, buf, shr)
-    # compact the k keys >= thr (distinct keys: exactly k) to the front, in any order, then sort them
-    if whole:
-        if tid == 0:
-            shr[0] = 0
+    if whole or n > DIRECT:
+        thr = radix_select(keys, n, k, x, row, ls, whole, bins, tmp, buf, shr)
+        # compact the k keys >= thr (distinct keys: exactly k) to the front, in any order, then sort them
+        if whole:
+            if tid == 0:
+                shr[0] = 0
+            cuda.syncthreads()
+            for i in range(tid, n, T):
+                key = composite(x[row, i], i, ls)
+                if key >= thr:
+                    keys[cuda.atomic.add(shr, 0, 1)] = key
+        else:
+            front = np.int64(0)
+            for c in range(0, n, T):             # in place: every read of a chunk precedes (scan barrier) its writes
+                i = c + tid
+                key = keys[i] if i < n else np.int64(NEG)
+                take = 1 if i < n and key >= thr else 0
+                ex, tot = block_scan(take, tmp, buf)
+                if take == 1:
+                    keys[front + ex] = key
+                front += tot
         cuda.syncthreads()
-        for i in range(tid, n, T):
-            key = composite(x[row, i], i, ls)
-            if key >= thr:
-                keys[cuda.atomic.add(shr, 0, 1)] = key
-    else:
-        front = np.int64(0)
-        for c in range(0, n, T):                 # in place: every read of a chunk precedes (scan barrier) its writes
-            i = c + tid
-            key = keys[i] if i < n else np.int64(NEG)
-            take = 1 if i < n and key >= thr else 0
-            ex, tot = block_scan(take, tmp, buf)
-            if take == 1:
-                keys[front + ex] = key
-            front += tot
-    cuda.syncthreads()
+        n = np.int64(k)
     n2 = 1
-    while n2 < k:
+    while n2 < n:
         n2 *= 2
-    for i in range(k + tid, n2, T):
+    for i in range(n + tid, n2, T):
         keys[i] = NEG
     bitonic_sort_desc(keys, n2)
     for r in range(tid, k, T):
