@@ -27,7 +27,7 @@ from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shi
 import numpy as np
 from numba import cuda
 
-from .tree_device import KERNEL, SIM, TBUF, WARP, block_scan, shfl_xor
+from .tree_device import DEVICE, KERNEL, SIM, TBUF, WARP, block_scan, shfl_xor
 
 BMAX = 64 if SIM else 1024        # largest budget (and K)
 BMAX1 = BMAX + 1
@@ -42,25 +42,25 @@ BEAM_JIT = dict(KERNEL) if SIM else dict(KERNEL, launch_bounds=TMIN)   # TMIN th
 M10 = 0x3FF                       # aux = parent << 20 | rank << 10 | tuple rank; new key = t(p) << 20 | r << 10 | p
 
 
-@cuda.jit(device=True)
+@cuda.jit(**DEVICE)
 def q_of(v):
     """An fp32 grid log-prob as an integer multiple of 2^-28 (exact)."""
     return np.int64(np.float64(v) * SCALE)
 
 
-@cuda.jit(device=True)
+@cuda.jit(**DEVICE)
 def g_before(qg, tg, qc, tp):
     """Member g (score qg, tuple rank tg) precedes a new child (score qc, parent tuple rank tp)."""
     return qg > qc or (qg == qc and tg <= tp)
 
 
-@cuda.jit(device=True)
+@cuda.jit(**DEVICE)
 def n_first(qa, ka, qb, kb):
     """New candidate a precedes new candidate b."""
     return qa > qb or (qa == qb and ka < kb)
 
 
-@cuda.jit(device=True)
+@cuda.jit(**DEVICE)
 def sort_new(nq, nk, n, sq, sk, buf):
     """Sort the n candidates (nq, nk)[:n] into tree order in place (buf: the simulator twins' scratch). Element i is held by thread i % T in
     register slot i // T; a bitonic network over the next power of two S >= n (padding sorts last)."""
@@ -83,10 +83,11 @@ def sort_new(nq, nk, n, sq, sk, buf):
         while st > 0:
             if st >= T:                              # partner in this thread
                 sa = st // T
-                for a in range(NA):
-                    b = a ^ sa
-                    i = tid + a * T
-                    if b > a and i < S:
+                for a in range(NA):                  # (a, b) constant after unrolling: registers, not a stack
+                    for b in range(a + 1, NA):
+                        i = tid + a * T
+                        if (a ^ b) != sa or i >= S:
+                            continue
                         first = n_first(sq[a], sk[a], sq[b], sk[b])
                         if first != ((i & size) == 0):
                             q0, k0 = sq[a], sk[a]

@@ -17,6 +17,8 @@ SIM = bool(config.ENABLE_CUDASIM)
 # DDTREE_NUMBA_LINEINFO=1: the tree kernels carry source line info (for `ncu --set full` source counters; the
 # code is optimized the same). Read when the kernel modules are imported.
 KERNEL = {"lineinfo": True} if os.environ.get("DDTREE_NUMBA_LINEINFO") == "1" and not SIM else {}
+# device functions are inlined into their kernels at the NVVM level, so their local arrays can live in registers
+DEVICE = {"device": True} if SIM else {"device": True, "forceinline": True}
 WARP = 4 if SIM else 32
 TBUF = WARP * WARP if SIM else 1     # scratch of the simulator twins: one slot per thread
 FULL_MASK = 0xFFFFFFFF
@@ -27,7 +29,7 @@ LP_FLOOR = -2097152.0               # -2^21
 RINT_MAGIC = 6755399441055744.0     # 1.5 * 2^52: (v + M) - M rounds half-even for |v| < 2^51
 
 if SIM:
-    @cuda.jit(device=True)
+    @cuda.jit(**DEVICE)
     def shfl_up(x, off, buf):
         """Value of lane - off (own value on lanes < off). buf: int64[blockDim] scratch (simulator only).
         Every twin ends with a barrier, so buf is free again when the next one writes it."""
@@ -38,7 +40,7 @@ if SIM:
         cuda.syncthreads()
         return y
 
-    @cuda.jit(device=True)
+    @cuda.jit(**DEVICE)
     def shfl_idx(x, src, buf):
         """Value of lane `src` of this warp."""
         tid = cuda.threadIdx.x
@@ -48,7 +50,7 @@ if SIM:
         cuda.syncthreads()
         return y
 
-    @cuda.jit(device=True)
+    @cuda.jit(**DEVICE)
     def shfl_xor(x, mask, buf):
         """Value of lane ^ mask (mask < WARP)."""
         tid = cuda.threadIdx.x
@@ -58,12 +60,12 @@ if SIM:
         cuda.syncthreads()
         return y
 
-    @cuda.jit(device=True)
+    @cuda.jit(**DEVICE)
     def f32_bits(x):
         """The int32 bit pattern of an fp32 value."""
         return np.int64(np.array([x], dtype=np.float32).view(np.int32)[0])
 
-    @cuda.jit(device=True)
+    @cuda.jit(**DEVICE)
     def f32_from_bits(b):
         """The fp32 value of an int32 bit pattern."""
         return np.array([b], dtype=np.int64).astype(np.int32).view(np.float32)[0]
@@ -89,7 +91,7 @@ else:
         return cuda.libdevice.int_as_float(np.int32(b))
 
 
-@cuda.jit(device=True)
+@cuda.jit(**DEVICE)
 def block_scan(val, tmp, buf):
     """Exclusive prefix sum of one int64 per thread over the block, and the block total.
 
@@ -125,7 +127,7 @@ def block_scan(val, tmp, buf):
     return before + x - np.int64(val), total
 
 
-@cuda.jit(device=True)
+@cuda.jit(**DEVICE)
 def grid_log_prob(x, lse):
     """reference.tree.draft_log_probs for one fp32 logit: fp32(x - lse), floored at -2^21, rounded half-even
     onto the 2^-28 grid, -0.0 -> +0.0. Returns the fp32 value (exactly representable)."""
@@ -138,7 +140,7 @@ def grid_log_prob(x, lse):
     return np.float32(v)
 
 
-@cuda.jit(device=True)
+@cuda.jit(**DEVICE)
 def sortable_key(f):
     """Monotone map of an fp32 value to an int64 in [0, 2^32): a < b  <=>  key(a) < key(b) (no -0.0, no NaN)."""
     b = f32_bits(f)
@@ -147,7 +149,7 @@ def sortable_key(f):
     return np.int64(0x80000000) + b
 
 
-@cuda.jit(device=True)
+@cuda.jit(**DEVICE)
 def key_value(key):
     """Inverse of sortable_key: the fp32 value of a key in [0, 2^32)."""
     if key >= np.int64(0x80000000):

@@ -30,7 +30,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from .tree_device import KERNEL, LP_FLOOR, SIM, TBUF, block_scan, grid_log_prob, key_value, sortable_key
+from .tree_device import DEVICE, KERNEL, LP_FLOOR, SIM, TBUF, block_scan, grid_log_prob, key_value, sortable_key
 
 NB = 4096            # digit-0 histogram bins: the top 12 bits of the 32-bit sortable key
 SHIFT0 = 20          # key >> SHIFT0 is the bin
@@ -47,7 +47,7 @@ TOPK_TMAX = 256      # launch bounds: <= 256 threads, 4 blocks per SM (<= 64 reg
 TOPK_JIT = dict(KERNEL) if SIM else dict(KERNEL, launch_bounds=(TOPK_TMAX, 4))
 
 
-@cuda.jit(device=True)
+@cuda.jit(**DEVICE)
 def load_values(x, row, base, hi, vals):
     """This thread's EPT logits of the sub-chunk at `base` (clamped in-bounds; the caller masks i >= hi)."""
     T = cuda.blockDim.x
@@ -55,13 +55,13 @@ def load_values(x, row, base, hi, vals):
         vals[j] = x[row, min(base + j * T + cuda.threadIdx.x, hi - 1)]
 
 
-@cuda.jit(device=True)
+@cuda.jit(**DEVICE)
 def composite(x, i, ls):
     """Composite key of token i with logit x: larger = earlier in (lp desc, id asc)."""
     return ((sortable_key(grid_log_prob(x, ls)) - np.int64(0x80000000)) << 32) | (np.int64(LOW) - i)
 
 
-@cuda.jit(device=True)
+@cuda.jit(**DEVICE)
 def find_bin(bins, nbins, k, tmp, buf, shr):
     """(b, r): the bin of bins[:nbins] holding the k-th largest item (1-based, counted from the top bin) and k's
     rank inside it. Each thread sums a run of bins, one block scan finds the run, its thread the bin."""
@@ -176,7 +176,7 @@ def topk_stats(x, vocab, chunk, k, part_m, part_s, lse, hist, done, sel):
         hist[row, i] = 0
 
 
-@cuda.jit(device=True)
+@cuda.jit(**DEVICE)
 def radix_select(keys, n, k, row_x, row, ls, whole, bins, tmp, buf, shr):
     """The k-th largest of n distinct int64 keys (keys[:n] in shared memory, or -- whole=True -- the composite
     keys of the whole row row_x[row, :n], recomputed per pass). 8 passes of 8 bits, most significant first."""
@@ -201,7 +201,7 @@ def radix_select(keys, n, k, row_x, row, ls, whole, bins, tmp, buf, shr):
     return prefix ^ np.int64(NEG)
 
 
-@cuda.jit(device=True)
+@cuda.jit(**DEVICE)
 def bitonic_sort_desc(keys, n):
     """Sort keys[:n] descending in place (n a power of two); every thread of the block calls it."""
     tid = cuda.threadIdx.x
