@@ -38,7 +38,8 @@ NA = (NEWCAP + TMIN - 1) // TMIN  # new candidates per thread
 SCALE = 268435456.0               # 2^28: lp and scores as integers
 PAD_Q = -(2 ** 62)                # a padding candidate's score (real scores are > -2^53)
 PAD_K = 0x7FFFFFFF
-BEAM_JIT = dict(KERNEL) if SIM else dict(KERNEL, launch_bounds=TMIN)   # TMIN threads: <= 64 registers
+# TMIN threads need <= 64 registers: max_registers, not launch bounds (NVVM 13.0 fails on those with line info)
+BEAM_JIT = dict(KERNEL) if SIM else dict(KERNEL, max_registers=65536 // TMIN)
 M10 = 0x3FF                       # aux = parent << 20 | rank << 10 | tuple rank; new key = t(p) << 20 | r << 10 | p
 
 
