@@ -38,8 +38,10 @@ NA = (NEWCAP + TMIN - 1) // TMIN  # new candidates per thread
 SCALE = 268435456.0               # 2^28: lp and scores as integers
 PAD_Q = -(2 ** 62)                # a padding candidate's score (real scores are > -2^53)
 PAD_K = 0x7FFFFFFF
-# TMIN threads need <= 64 registers: max_registers, not launch bounds (NVVM 13.0 fails on those with line info)
-BEAM_JIT = dict(KERNEL) if SIM else dict(KERNEL, max_registers=65536 // TMIN)
+# TMIN threads need <= 64 registers: launch bounds; with line info (DDTREE_NUMBA_LINEINFO=1, profiling only) NVVM 13.0
+# fails on those (ERROR_COMPILATION), so that build caps registers through max_registers instead
+BEAM_JIT = dict(KERNEL) if SIM else dict(KERNEL, launch_bounds=TMIN) if not KERNEL else \
+    dict(KERNEL, max_registers=65536 // TMIN)
 M10 = 0x3FF                       # aux = parent << 20 | rank << 10 | tuple rank; new key = t(p) << 20 | r << 10 | p
 
 
