@@ -288,6 +288,8 @@ def test_sim_compile_follow_commit(sim, kind, depth, vocab, budget):
     check_compile(sim, tree, root=9, start=4)
     for seed in range(3):
         check_follow_and_commit(sim, tree, seed)
+    by_tensor = sim.compile_tree(tree, torch.tensor([9]), 4)     # the engine's form: the root on the device
+    assert torch.equal(by_tensor.ids, sim.compile_tree(tree, 9, 4).ids)
 
 
 @sim_only
