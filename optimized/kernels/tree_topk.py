@@ -62,6 +62,17 @@ def composite(x, i, ls):
 
 
 @cuda.jit(**DEVICE)
+def merge_ms(red_m, red_s, a, b):
+    """Slot a of the (max, sum exp(x - max)) pairs absorbs slot b (a slot of max -inf holds nothing)."""
+    ma, mb = red_m[a], red_m[b]
+    mm = max(ma, mb)
+    sa = red_s[a] * math.exp(ma - mm) if ma > -math.inf else 0.0
+    sb = red_s[b] * math.exp(mb - mm) if mb > -math.inf else 0.0
+    red_m[a] = mm
+    red_s[a] = sa + sb
+
+
+@cuda.jit(**DEVICE)
 def find_bin(bins, nbins, k, tmp, buf, shr):
     """(b, r): the bin of bins[:nbins] holding the k-th largest item (1-based, counted from the top bin) and k's
     rank inside it. Each thread sums a run of bins, one block scan finds the run, its thread the bin."""
@@ -127,12 +138,7 @@ def topk_stats(x, vocab, chunk, k, part_m, part_s, lse, hist, done, sel):
     while h > 0:                                 # fixed pairing: the bits do not depend on timing
         cuda.syncthreads()
         if tid < h:
-            ma, mb = red_m[tid], red_m[tid + h]
-            mm = max(ma, mb)
-            sa = red_s[tid] * math.exp(ma - mm) if ma > -math.inf else 0.0
-            sb = red_s[tid + h] * math.exp(mb - mm) if mb > -math.inf else 0.0
-            red_m[tid] = mm
-            red_s[tid] = sa + sb
+            merge_ms(red_m, red_s, tid, tid + h)
         h //= 2
     for i in range(tid, NB, T):
         c = sh[i]
@@ -156,12 +162,7 @@ def topk_stats(x, vocab, chunk, k, part_m, part_s, lse, hist, done, sel):
     while h > 0:
         cuda.syncthreads()
         for q in range(tid, h, T):
-            ma, mb = red_m[q], red_m[q + h]
-            mm = max(ma, mb)
-            sa = red_s[q] * math.exp(ma - mm) if ma > -math.inf else 0.0
-            sb = red_s[q + h] * math.exp(mb - mm) if mb > -math.inf else 0.0
-            red_m[q] = mm
-            red_s[q] = sa + sb
+            merge_ms(red_m, red_s, q, q + h)
         h //= 2
     cuda.syncthreads()
     if tid == 0:
