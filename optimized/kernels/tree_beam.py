@@ -27,7 +27,7 @@ from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shi
 import numpy as np
 from numba import cuda
 
-from .tree_device import DEVICE, KERNEL, SIM, TBUF, WARP, block_scan, shfl_xor
+from .tree_device import DEVICE, SIM, TBUF, WARP, block_scan, shfl_xor
 
 BMAX = 64 if SIM else 1024        # largest budget (and K)
 BMAX1 = BMAX + 1
@@ -38,10 +38,10 @@ NA = (NEWCAP + TMIN - 1) // TMIN  # new candidates per thread
 SCALE = 268435456.0               # 2^28: lp and scores as integers
 PAD_Q = -(2 ** 62)                # a padding candidate's score (real scores are > -2^53)
 PAD_K = 0x7FFFFFFF
-# TMIN threads need <= 64 registers: launch bounds; with line info (DDTREE_NUMBA_LINEINFO=1, profiling only) NVVM 13.0
-# fails on those (ERROR_COMPILATION), so that build caps registers through max_registers instead
-BEAM_JIT = dict(KERNEL) if SIM else dict(KERNEL, launch_bounds=TMIN) if not KERNEL else \
-    dict(KERNEL, max_registers=65536 // TMIN)
+# TMIN threads need <= 64 registers: launch bounds. Never with line info: NVVM 13.0 rejects launch bounds with it
+# (ERROR_COMPILATION), and max_registers with it fails in nvJitLink ("Symbol name with unsupported characters"), so
+# DDTREE_NUMBA_LINEINFO=1 builds the other tree kernels with line info and this one as usual.
+BEAM_JIT = {} if SIM else {"launch_bounds": TMIN}
 M10 = 0x3FF                       # aux = parent << 20 | rank << 10 | tuple rank; new key = t(p) << 20 | r << 10 | p
 
 

@@ -14,8 +14,8 @@ import numpy as np
 from numba import config, cuda
 
 SIM = bool(config.ENABLE_CUDASIM)
-# DDTREE_NUMBA_LINEINFO=1: the tree kernels carry source line info (for `ncu --set full` source counters; the
-# code is optimized the same). Read when the kernel modules are imported.
+# DDTREE_NUMBA_LINEINFO=1: the tree kernels (not the beam: tree_beam.BEAM_JIT says why) carry source line info
+# (for `ncu --set full` source counters; the code is optimized the same). Read when the kernel modules are imported.
 KERNEL = {"lineinfo": True} if os.environ.get("DDTREE_NUMBA_LINEINFO") == "1" and not SIM else {}
 # device functions are inlined into their kernels at the NVVM level, so their local arrays can live in registers
 DEVICE = {"device": True} if SIM else {"device": True, "forceinline": True}
