@@ -1,14 +1,18 @@
-"""Probe: a trivial Numba kernel over the [15, 163840] fp32 logits (one read, a per-block sum) against
-torch.amax, to separate Numba's code generation from the tree kernels' algorithms. Prints microseconds."""
-import sys
+"""Probe: two trivial Numba kernels over the [15, 163840] fp32 logits in topk_stats' grid of 210 blocks (one read
+and a per-block sum; the same plus an fp64 exp per element) against torch.amax, to separate the cost of reading the
+logits in that grid from the tree kernels' own work. Prints microseconds of device execution."""
+import math
 import os
-sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")]
+import sys
+
 import numpy as np
 import torch
-from optimized import _numba_compat  # noqa: F401
-from numba import cuda
 
-EPT = 16
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "conformance")]
+from optimized import _numba_compat  # noqa: E402,F401  (first: the numpy.row_stack shim)
+from numba import cuda  # noqa: E402
+from test_tree_numba import event_median  # noqa: E402
 
 
 @cuda.jit
@@ -42,8 +46,6 @@ def rowexp(x, chunk, out):
     out[row, p] = s
 
 
-import math  # noqa: E402
-
 x = torch.randn(15, 163840, device="cuda") * 3
 out = torch.zeros(15, 14, device="cuda", dtype=torch.float64)
 outf = torch.zeros(15, 14, device="cuda")
@@ -51,19 +53,9 @@ xa = cuda.as_cuda_array(x)
 s = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
 
 
-def t(fn, n=50):
-    for _ in range(5):
-        fn()
-    ts = []
-    for _ in range(n):
-        torch.cuda._sleep(4_000_000)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return sorted(ts)[len(ts) // 2]
+def t(fn) -> float:
+    """Median microseconds of device execution (the tree bench's timer)."""
+    return event_median(fn, ahead=True) * 1e6
 
 
 print("torch amax      %.1f us" % t(lambda: torch.amax(x, dim=1)))

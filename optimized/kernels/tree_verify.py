@@ -19,9 +19,8 @@ from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shi
 import numpy as np
 from numba import cuda
 
-from .tree_device import KERNEL, SIM
-
-ROWS_MAX = 65 if SIM else 1025   # budget + 1 (tree_beam.BMAX + 1)
+from .tree_beam import BMAX1 as ROWS_MAX   # budget + 1 rows at most
+from .tree_device import KERNEL
 
 
 @cuda.jit(**KERNEL)
