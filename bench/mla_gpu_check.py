@@ -46,6 +46,11 @@ def main():
         ("tree T=65 P=4097 auto", 65, 64, 4097, "random", {}),
         ("tree T=200 H=8 P=10 splits=7", 200, 8, 10, "random", dict(num_splits=7)),
         ("w4 config T=9 P=333", 9, 64, 333, "random", dict(config="mla_mma_w4_m32_n32_s1")),
+        ("mma w8 T=65 P=4097", 65, 64, 4097, "random", dict(config="mla_mma_w8_m64_n64_s2")),
+        ("decode P=131072 auto", 1, 64, 131072, "chain", {}),
+        ("tree T=1025 H=64 P=129", 1025, 64, 129, "random", {}),
+        ("tree T=64 H=128 P=777", 64, 128, 777, "random", {}),
+        ("tree T=5 H=1 P=0", 5, 1, 0, "chain", {}),
         ("generic C=16 R=8 T=7", 7, 4, 5, "random", dict(c=16, r=8)),
     ]
     failures = 0
@@ -68,36 +73,60 @@ def main():
             ok = torch.isfinite(out).all().item() and err["max"] <= 2 * base["max"] + 1e-6 \
                 and err["fro"] <= 2 * base["fro"] + 1e-6
             failures += not ok
-            print(f"{name:32s} {'uniform' if uniform else 'random ':8s} {'ok ' if ok else 'BAD'} kernel max "
+            kern = mla.plan_for(case.q_lat, case.q_pe, case.latent, config=kw.get("config"),
+                                num_splits=kw.get("num_splits"))
+            print(f"{name:32s} {'uniform' if uniform else 'random ':8s} {'ok ' if ok else 'BAD'} "
+                  f"{kern.kernel}/{kern.splits} kernel max "
                   f"{err['max']:.2e} fro {err['fro']:.2e} | torch-bf16 max {base['max']:.2e} fro {base['fro']:.2e}")
             if not ok:
                 print(localize(out.nan_to_num(1e3), ref64))
-    variants = {"defaults": (), "plain": ("MLA_SKIP_RESCALE=0", "MLA_FAST_EXP2=0"),
-                "qk_unroll3": ("MLA_QK_UNROLL=3",)}
-    shapes = [(1, 131072), (33, 32768), (257, 8192)]
+    variants = {  # name: (config, defines); config None = the plan's choice (wgmma on 9.0)
+        "wgmma": (None, ()), "wgmma_overlap": (None, ("MLA_WG_OVERLAP=1",)),
+        "mma": ("mla_mma_w8_m64_n64_s2", ())}
+    shapes = [(1, 8192), (1, 131072), (33, 8192), (33, 32768), (257, 8192)]
     cases = {sh: mc.make_case(sh[0], 64, sh[1], seed=sh[0]) for sh in shapes}
     score = {}
-    print("variant A/B (us per call; policy checked on T=9 P=333):")
-    for name, defs in variants.items():
-        chk = mc.make_case(9, 64, 333, seed=2)
-        out = mla.tree_attention(chk.q_lat, chk.q_pe, chk.latent, chk.tree_mask, chk.scale, defines=defs)
-        try:
-            mc.check_policy(out, mc.reference_f64(chk), mc.reference_bf16(chk), name)
-            ok = True
-        except AssertionError as e:
-            print(f"  {name}: {e}")
-            ok, failures = False, failures + 1
+    print("variant A/B (us per call and TFLOP/s; policy checked on T=9 P=333 and T=65 P=4097):")
+    for name, (cfg, defs) in variants.items():
+        ok = True
+        for ct, cp in ((9, 333), (65, 4097)):
+            chk = mc.make_case(ct, 64, cp, seed=2)
+            out = mla.tree_attention(chk.q_lat, chk.q_pe, chk.latent, chk.tree_mask, chk.scale, defines=defs,
+                                     config=cfg)
+            try:
+                mc.check_policy(out, mc.reference_f64(chk), mc.reference_bf16(chk), name)
+            except AssertionError as e:
+                print(f"  {name}: {e}")
+                ok, failures = False, failures + 1
         row = []
         for sh, case in cases.items():
-            f = lambda c=case: mla.tree_attention(c.q_lat, c.q_pe, c.latent, c.tree_mask, c.scale, defines=defs)  # noqa
+            f = lambda c=case: mla.tree_attention(c.q_lat, c.q_pe, c.latent, c.tree_mask, c.scale,  # noqa
+                                                  defines=defs, config=cfg)
             row.append(mc.time_graph([f]))
         score[name] = (sum(row), ok)
-        regs = mla.kernel_attributes(0, defs)["mla_mma_w8_m64_n64_s2"]
-        print(f"  {name:18s} " + " ".join(f"T={sh[0]} P={sh[1]}: {x * 1e6:8.1f}" for sh, x in zip(shapes, row))
-              + f"  {regs}  policy {'ok' if ok else 'BAD'}")
-    best = min((k for k in score if score[k][1]), key=lambda k: score[k][0])
-    print(f"best variant: {best} {variants[best]}")
-    Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/mla_best_defines").write_text(",".join(variants[best]))
+        kname = cfg or mla.plan_for(cases[shapes[0]].q_lat, cases[shapes[0]].q_pe, cases[shapes[0]].latent).kernel
+        regs = mla.kernel_attributes(0, defs)[kname]
+        print(f"  {name:14s} " + " ".join(
+            f"T={sh[0]} P={sh[1]}: {x * 1e6:7.1f} ({mc.work(cases[sh])[0] / x / 1e12:3.0f})"
+            for sh, x in zip(shapes, row)) + f"  {regs}  policy {'ok' if ok else 'BAD'}")
+    best = min((k for k in score if score[k][1] and variants[k][0] is None), key=lambda k: score[k][0],
+               default="wgmma")
+    print(f"best variant of the default kernel: {best} {variants[best][1]}")
+    Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/mla_best_defines").write_text(",".join(variants[best][1]))
+    print("split sweep (us; the plan's choice marked *):")
+    defs = variants[best][1]
+    for t, p in ((1, 8192), (1, 32768), (1, 131072), (9, 8192), (33, 8192), (65, 32768)):
+        case = mc.make_case(t, 64, p, seed=3)
+        chosen = mla.plan_for(case.q_lat, case.q_pe, case.latent).splits
+        cells = []
+        for sp in sorted({1, 2, 4, 8, 16, 33, 66, 132, 256, chosen}):
+            if sp > -(-(p + t) // 64):
+                continue
+            f = lambda c=case, sp=sp: mla.tree_attention(c.q_lat, c.q_pe, c.latent, c.tree_mask, c.scale,  # noqa
+                                                         defines=defs, num_splits=sp)
+            real = mla.plan_for(case.q_lat, case.q_pe, case.latent, num_splits=sp).splits
+            cells.append(f"{real}{'*' if sp == chosen else ''}:{mc.time_graph([f]) * 1e6:.1f}")
+        print(f"  T={t} P={p}: " + " ".join(cells))
     print(f"check: {failures} failing rows")
 
 

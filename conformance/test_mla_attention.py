@@ -18,7 +18,13 @@ import mla_cases as mc
 from optimized import mla_attention as mla
 from optimized.mla_attention import pack_visibility, unpack_visibility, plan, tree_attention
 
-H200 = dict(sm_count=132, smem_optin=232448)
+H200 = dict(sm_count=132, smem_optin=232448)          # plan() without cc: a 9.0-less device (no wgmma)
+MMA_W8 = "mla_mma_w8_m64_n64_s2"
+
+
+def _default_backend() -> str:
+    """What the plan must pick for C=512, R=64 on this GPU: the wgmma kernel on compute capability 9.0."""
+    return "wgmma" if mla.device_info()["cc"] == mla.WGMMA_ARCH else "mma"
 
 
 # ---- CPU: mask format ------------------------------------------------------------------------------------
@@ -84,11 +90,12 @@ def test_validation_too_long_and_scale():
 
 @given(t=st.integers(1, 1025), h=st.sampled_from([1, 4, 64, 128]), p=st.integers(0, 140_000))
 def test_plan_covers_keys(t, h, p):
-    pl = plan(t, h, 512, 64, p + t, **H200)
-    assert pl.backend == "mma" and pl.kernel == "mla_mma_w8_m64_n64_s2" and pl.smem <= H200["smem_optin"]
-    assert pl.chunk_keys % 64 == 0 and 1 <= pl.splits <= mla.MAX_SPLITS
-    assert (pl.splits - 1) * pl.chunk_keys < p + t <= pl.splits * pl.chunk_keys     # no empty split, all keys
-    assert pl.grid == (-(-t * h // 64), pl.splits, 1)
+    for cc, backend, kernel in ((0, "mma", MMA_W8), (90, "wgmma", "mla_wgmma_m64_n64")):
+        pl = plan(t, h, 512, 64, p + t, **H200, cc=cc)
+        assert pl.backend == backend and pl.kernel == kernel and pl.smem <= H200["smem_optin"]
+        assert pl.chunk_keys % 64 == 0 and 1 <= pl.splits <= mla.MAX_SPLITS
+        assert (pl.splits - 1) * pl.chunk_keys < p + t <= pl.splits * pl.chunk_keys     # no empty split, all keys
+        assert pl.grid == (-(-t * h // 64), pl.splits, 1) and pl.block == (256, 1, 1)
 
 
 def test_plan_backends_and_configs():
@@ -99,19 +106,27 @@ def test_plan_backends_and_configs():
     with pytest.raises(ValueError, match="tensor-core kernel"):
         plan(4, 4, 16, 8, 20, **H200, num_splits=2)
     assert plan(1, 64, 512, 64, 8192 + 1, **H200, num_splits=7).splits == 7
+    assert plan(1, 64, 512, 64, 100, **H200, cc=90, config=MMA_W8).backend == "mma"   # mma.sync on Hopper
+    assert plan(1, 64, 512, 64, 100, sm_count=188, smem_optin=101376, cc=120).kernel == "mla_mma_w4_m32_n32_s1"
+    with pytest.raises(ValueError, match="compute capability 9.0 only"):
+        plan(1, 64, 512, 64, 100, **H200, cc=120, config="mla_wgmma_m64_n64")
+    assert mla.CONFIGS["mla_wgmma_m64_n64"].smem_bytes == 231424 <= H200["smem_optin"]
 
 
 # ---- CPU: the .cu builds for both target architectures ---------------------------------------------------
 
-@pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
+@pytest.mark.parametrize("arch", ["sm_90", "sm_90a", "sm_120"])
 def test_nvcc_builds(arch, tmp_path):
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not on PATH")
     res = subprocess.run(["nvcc", f"-arch={arch}", "-cubin", "-std=c++17", "-Xptxas", "-v", "-o",
                           str(tmp_path / "mla.cubin"), str(mla._CU_PATH)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
-    for name in list(mla.CONFIGS) + ["mla_combine", "mla_generic"]:
+    cc = 90 if arch == "sm_90a" else 0      # the wgmma kernel exists in sm_90a builds only
+    for name in [k for k, c in mla.CONFIGS.items() if c.runs_on(cc)] + ["mla_combine", "mla_generic"]:
         assert f"Compiling entry function '{name}'" in res.stderr
+    assert ("mla_wgmma_m64_n64" in res.stderr) == (arch == "sm_90a")
+    assert "serialized" not in res.stderr, f"ptxas serialized the wgmma pipeline: {res.stderr}"
     spills = [int(x.split()[0]) for x in res.stderr.split(", ") if x.endswith("bytes spill stores")]
     assert max(spills) <= 64, f"register spills grew: {res.stderr}"
 
@@ -127,12 +142,15 @@ CASES = [  # (T, H, prefix, kind)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, MMA_W8])
 @pytest.mark.parametrize("t, h, prefix, kind", CASES)
-def test_matches_reference(t, h, prefix, kind):
+def test_matches_reference(t, h, prefix, kind, config):
+    """The plan's kernel (wgmma on 9.0) and the mma.sync kernel, which 9.0 runs only when asked."""
     case = mc.make_case(t, h, prefix, kind=kind, seed=t * 1000 + prefix)
-    assert mla.plan_for(case.q_lat, case.q_pe, case.latent).backend == "mma"
-    out = tree_attention(case.q_lat, case.q_pe, case.latent, case.tree_mask, case.scale)
-    mc.check_policy(out, mc.reference_f64(case), mc.reference_bf16(case), f"T={t} H={h} P={prefix} {kind}")
+    want = _default_backend() if config is None else "mma"
+    assert mla.plan_for(case.q_lat, case.q_pe, case.latent, config=config).backend == want
+    out = tree_attention(case.q_lat, case.q_pe, case.latent, case.tree_mask, case.scale, config=config)
+    mc.check_policy(out, mc.reference_f64(case), mc.reference_bf16(case), f"T={t} H={h} P={prefix} {kind} {want}")
 
 
 @pytest.mark.gpu
@@ -237,6 +255,7 @@ def test_gpu_layout_errors():
 
 def _speed(t, prefix, h=64):
     case = mc.make_case(t, h, prefix, seed=99)
+    assert mla.plan_for(case.q_lat, case.q_pe, case.latent).backend == _default_backend()
     mask = case.tree_mask
     ours = mc.time_graph([lambda: tree_attention(case.q_lat, case.q_pe, case.latent, mask, case.scale)])
     torch_s = mc.time_eager(lambda: mc.reference_bf16(case))

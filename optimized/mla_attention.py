@@ -8,8 +8,10 @@ Replaces `reference.target.absorbed_attention` for verify (tree) and decode (T =
 Mask format (shared with the tree kernels): int32 [T, W]; tree row t sees tree row j (cache slot P + j) iff
 bit j % 32 of word [t, j // 32] is set; every prefix slot (< P) is visible to every row.
 
-Backends (`plan(...).backend`, asserted by the conformance tests; chosen by shape, never as a fallback):
-  "mma"   tensor-core kernel, C = 512 and R = 64 (K2 / DeepSeek-V3), split-KV + log-sum-exp merge
+Backends (`plan(...).backend`, asserted by the conformance tests; chosen by shape and device, never as a
+fallback):
+  "wgmma" Hopper tensor-core kernel (sm_90a, compute capability 9.0), C = 512 and R = 64, split-KV + merge
+  "mma"   mma.sync tensor-core kernel (sm_80+: sm_120 parts, or any part via `config=`), the same shapes
   "simt"  generic fp32 kernel for any other C <= 1024, R <= 256 (the tiny fixtures); one warp per query row
 
 Tensors are passed zero-copy as raw device pointers (bf16 has no CuPy dtype, and reading
@@ -71,22 +73,32 @@ class KernelConfig:
     bm: int          # query rows per block
     bn: int          # keys per tile
     stages: int      # K tiles resident in shared memory
+    kind: str = "mma"          # "mma" (mma.sync, sm_80+) | "wgmma" (sm_90a only: H100/H200)
+    tile_cost: float = 1.0     # split model: one key tile per SM, relative to the mma kernel's (~4 us)
 
     @property
-    def smem_bytes(self) -> int:     # mirrors MmaCfg::SMEM in the .cu
+    def smem_bytes(self) -> int:     # mirrors MmaCfg::SMEM / wgm::SMEM in the .cu
+        if self.kind == "wgmma":
+            tile = self.bm * 1152
+            return tile + self.stages * self.bn * 1152 + self.bm * self.bn * 2 + 4 * self.bm * 4 + 1024
         kh = self.warps // (self.bm // 16)
         return self.bm * 1152 + self.stages * self.bn * 1152 + self.bm * self.bn * 2 + (2 * kh + 2) * self.bm * 4
 
+    def runs_on(self, cc: int) -> bool:
+        return self.kind != "wgmma" or cc == 90
 
+
+WGMMA_ARCH = 90                  # sm_90a code runs on compute capability 9.0 only
 CONFIGS = {c.name: c for c in (
-    KernelConfig("mla_mma_w8_m64_n64_s2", 8, 64, 64, 2),     # H100/H200: 230,912 B of the 227 KB opt-in
+    KernelConfig("mla_wgmma_m64_n64", 8, 64, 64, 2, kind="wgmma", tile_cost=0.5),  # H100/H200: 231,424 B
+    KernelConfig("mla_mma_w8_m64_n64_s2", 8, 64, 64, 2),     # sm_80+ with 227 KB opt-in: 230,912 B
     KernelConfig("mla_mma_w4_m32_n32_s1", 4, 32, 32, 1),     # 99 KB parts (sm_120, sm_86/89)
 )}
 
 
 @dataclass(frozen=True)
 class Plan:
-    backend: str                   # "mma" | "simt"
+    backend: str                   # "wgmma" | "mma" | "simt"
     kernel: str                    # kernel symbol
     grid: tuple
     block: tuple
@@ -96,8 +108,9 @@ class Plan:
 
 
 def plan(t: int, h: int, c: int, r: int, s: int, sm_count: int, smem_optin: int,
-         config: Optional[str] = None, num_splits: Optional[int] = None) -> Plan:
-    """Pure function of the shapes and two device properties (so it is testable without a GPU)."""
+         config: Optional[str] = None, num_splits: Optional[int] = None, cc: int = 0) -> Plan:
+    """Pure function of the shapes and three device properties (so it is testable without a GPU); `cc` is the
+    compute capability as major*10 + minor (90 on H100/H200 selects the wgmma kernel)."""
     m = t * h
     if (c, r) != (MMA_C, MMA_R):
         if config is not None or num_splits not in (None, 1):
@@ -105,43 +118,48 @@ def plan(t: int, h: int, c: int, r: int, s: int, sm_count: int, smem_optin: int,
                              f"C={c}, R={r}, which runs the generic kernel")
         return Plan("simt", "mla_generic", ((m + 3) // 4, 1, 1), (128, 1, 1), 0)
     if config is None:
-        fitting = [k for k in CONFIGS.values() if k.smem_bytes <= smem_optin]
+        fitting = [k for k in CONFIGS.values() if k.smem_bytes <= smem_optin and k.runs_on(cc)]
         if not fitting:
             raise RuntimeError(f"tree_attention: no kernel configuration fits {smem_optin} B of shared memory "
                                f"per block (smallest needs {min(k.smem_bytes for k in CONFIGS.values())} B)")
-        cfg = max(fitting, key=lambda k: k.smem_bytes)
+        wg = [k for k in fitting if k.kind == "wgmma"]
+        cfg = wg[0] if wg else max(fitting, key=lambda k: k.smem_bytes)
     else:
         if config not in CONFIGS:
             raise ValueError(f"config {config!r} unknown; choose one of {sorted(CONFIGS)}")
         cfg = CONFIGS[config]
+        if not cfg.runs_on(cc):
+            raise ValueError(f"config {config!r} is sm_90a code (wgmma): it runs on compute capability 9.0 "
+                             f"only, this device is {cc // 10}.{cc % 10}")
         if cfg.smem_bytes > smem_optin:
             raise ValueError(f"config {config!r} needs {cfg.smem_bytes} B of shared memory per block; this device "
                              f"allows {smem_optin} B")
     row_tiles = -(-m // cfg.bm)
     key_tiles = -(-s // cfg.bn)
     if num_splits is None:
-        splits = _choose_splits(row_tiles, key_tiles, sm_count)
+        splits = _choose_splits(row_tiles, key_tiles, sm_count, cfg.tile_cost)
     else:
         if not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
         splits = min(num_splits, key_tiles)
     tiles_per_split = -(-key_tiles // splits)
     splits = -(-key_tiles // tiles_per_split)             # no empty split
-    return Plan("mma", cfg.name, (row_tiles, splits, 1), (cfg.warps * 32, 1, 1), cfg.smem_bytes, splits,
+    return Plan(cfg.kind, cfg.name, (row_tiles, splits, 1), (cfg.warps * 32, 1, 1), cfg.smem_bytes, splits,
                 tiles_per_split * cfg.bn)
 
 
-def _choose_splits(row_tiles: int, key_tiles: int, sm_count: int) -> int:
+def _choose_splits(row_tiles: int, key_tiles: int, sm_count: int, tile_cost: float = 1.0) -> int:
     """Split the keys so the (row tile x split) blocks fill whole waves (one block per SM). Cost model in units
-    of one 64x64 tile per SM (~4 us on an H200): waves x (tiles per block + 2 for the Q load and the partial
-    write), plus, when split, the merge: one launch, and 4 KB of fp32 partials written and read per (row,
-    split), which at ~3 TB/s is one unit per ~45 row tiles x splits."""
+    of one 64x64 tile per SM for the mma kernel (~4 us on an H200; `tile_cost` scales it for faster kernels):
+    waves x (tiles per block x tile_cost + 2 for the Q load and the partial write), plus, when split, the
+    merge: one launch, and 4 KB of fp32 partials written and read per (row, split), which at ~3 TB/s is one
+    unit per ~45 row tiles x splits."""
     best, best_cost = 1, None
     for req in range(1, min(key_tiles, MAX_SPLITS) + 1):
         tps = -(-key_tiles // req)
         splits = -(-key_tiles // tps)
         waves = -(-(row_tiles * splits) // sm_count)
-        cost = waves * (tps + 2) + (0 if splits == 1 else 1 + row_tiles * splits / 45)
+        cost = waves * (tps * tile_cost + 2) + (0 if splits == 1 else 1 + row_tiles * splits / 45)
         if best_cost is None or cost < best_cost - 1e-9:
             best, best_cost = splits, cost
     return best
@@ -241,11 +259,22 @@ def _device_module(index: int, defines: tuple = ()):
             smem_optin = int(device.attributes["MaxSharedMemoryPerBlockOptin"])
             # CuPy's NVRTC path compiles for the current device itself (-arch=sm_XX, cubin); adding our own
             # -arch would pass the flag twice. The loaded binary's version is checked below instead.
-            options = ("-std=c++17",) + tuple(f"-D{d}" for d in defines)
+            # On 9.0 the module is sm_90a code (wgmma); NVRTC takes the -arch=sm_90a given here over the
+            # -arch=sm_90 CuPy appends, and the wgmma kernel exists only if it did (checked below).
+            options = ("-std=c++17",) + (("-arch=sm_90a",) if cc == WGMMA_ARCH else ()) \
+                + tuple(f"-D{d}" for d in defines)
             module = cupy.RawModule(code=kernel_source(), options=options)
             kernels = {}
             for cfg in CONFIGS.values():
-                fn = module.get_function(cfg.name)
+                if not cfg.runs_on(cc):
+                    continue
+                try:
+                    fn = module.get_function(cfg.name)
+                except Exception as e:   # noqa: BLE001 - re-raised with what to do
+                    raise RuntimeError(f"tree_attention: kernel {cfg.name} is missing from the module built for "
+                                       f"sm_{cc} with {options}: NVRTC did not compile sm_90a code (needs CUDA "
+                                       f">= 12.0 NVRTC); pass config='mla_mma_w8_m64_n64_s2' to run the "
+                                       f"mma.sync kernel instead") from e
                 if cfg.smem_bytes <= smem_optin:
                     fn.max_dynamic_shared_size_bytes = cfg.smem_bytes
                 kernels[cfg.name] = fn
@@ -255,8 +284,8 @@ def _device_module(index: int, defines: tuple = ()):
             if built != cc:
                 raise RuntimeError(f"tree_attention: the module was built for sm_{built}, the device is sm_{cc}; "
                                    f"CuPy/NVRTC does not know this architecture: upgrade cupy-cuda13x")
-            info = dict(arch=f"sm_{cc}", sm_count=int(props.multi_processor_count), smem_optin=smem_optin,
-                        name=props.name)
+            info = dict(arch=f"sm_{cc}" + ("a" if cc == WGMMA_ARCH else ""), cc=cc,
+                        sm_count=int(props.multi_processor_count), smem_optin=smem_optin, name=props.name)
             _modules[key] = (kernels, info)
         return _modules[key]
 
@@ -278,7 +307,8 @@ def plan_for(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, conf
              num_splits: Optional[int] = None) -> Plan:
     t, h, c = q_lat.shape
     info = _device_module(q_lat.device.index)[1]
-    return plan(t, h, c, q_pe.shape[2], latent.shape[0], info["sm_count"], info["smem_optin"], config, num_splits)
+    return plan(t, h, c, q_pe.shape[2], latent.shape[0], info["sm_count"], info["smem_optin"], config, num_splits,
+                info["cc"])
 
 
 _streams: dict = {}
@@ -318,7 +348,7 @@ def tree_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
     if out is None:
         out = torch.empty((t, h, c), dtype=torch.bfloat16, device=dev)
     kernels, info = _device_module(dev.index, defines)
-    pl = plan(t, h, c, r, s, info["sm_count"], info["smem_optin"], config, num_splits)
+    pl = plan(t, h, c, r, s, info["sm_count"], info["smem_optin"], config, num_splits, info["cc"])
     cupy = _cupy()
     import numpy as np
     ptr = lambda x: np.uint64(x.data_ptr())                                      # noqa: E731
