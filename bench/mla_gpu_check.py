@@ -53,6 +53,9 @@ def main():
         ("tree T=5 H=1 P=0", 5, 1, 0, "chain", {}),
         ("generic C=16 R=8 T=7", 7, 4, 5, "random", dict(c=16, r=8)),
     ]
+    extra = [k for k, c in mla.CONFIGS.items() if c.kind == "wgmma" and c.runs_on(info["cc"])][1:]
+    cases += [(f"{name} [{cfg[-4:]}]", t, h, p, kind, dict(kw, config=cfg)) for cfg in extra
+              for name, t, h, p, kind, kw in list(cases) if "config" not in kw and "c" not in kw]
     failures = 0
     for name, t, h, p, kind, kw in cases:
         c, r = kw.pop("c", 512), kw.pop("r", 64)
@@ -82,7 +85,7 @@ def main():
                 print(localize(out.nan_to_num(1e3), ref64))
     variants = {  # name: (config, defines); config None = the plan's choice (wgmma on 9.0)
         "wgmma": (None, ()), "wgmma_overlap": (None, ("MLA_WG_OVERLAP=1",)),
-        "mma": ("mla_mma_w8_m64_n64_s2", ())}
+        "wgmma_qk1": ("mla_wgmma_m64_n64_qk1", ()), "mma": ("mla_mma_w8_m64_n64_s2", ())}
     shapes = [(1, 8192), (1, 131072), (33, 8192), (33, 32768), (257, 8192)]
     cases = {sh: mc.make_case(sh[0], 64, sh[1], seed=sh[0]) for sh in shapes}
     score = {}

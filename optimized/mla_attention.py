@@ -91,6 +91,7 @@ class KernelConfig:
 WGMMA_ARCH = 90                  # sm_90a code runs on compute capability 9.0 only
 CONFIGS = {c.name: c for c in (
     KernelConfig("mla_wgmma_m64_n64", 8, 64, 64, 2, kind="wgmma", tile_cost=0.5),  # H100/H200: 231,424 B
+    KernelConfig("mla_wgmma_m64_n64_qk1", 8, 64, 64, 2, kind="wgmma", tile_cost=0.5),
     KernelConfig("mla_mma_w8_m64_n64_s2", 8, 64, 64, 2),     # sm_80+ with 227 KB opt-in: 230,912 B
     KernelConfig("mla_mma_w4_m32_n32_s1", 4, 32, 32, 1),     # 99 KB parts (sm_120, sm_86/89)
 )}

@@ -734,6 +734,234 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
         }
     }
 }
+// mla_wgmma_m64_n64_qk1: warpgroup 0 computes all of S = Q K^T (36 x m64n64k16: Q is read once per tile, not
+// twice) and the softmax; both warpgroups do O_w += P V_w. Warpgroup 1's PV of tile j-1 runs on the tensor
+// cores under warpgroup 0's QK of tile j; warpgroup 1 issues the K loads. Named barriers (256 threads):
+//   KFREE  wg0 arrives when PV(j-1) of its half retired     -> wg1 loads K(j+1) into that buffer
+//   PFREE  wg1 arrives when its PV(j-1) retired             -> wg0 may overwrite P and alpha
+//   PREADY wg0 arrives when P(j) and alpha(j) are written  -> wg1 rescales its O and issues PV(j)
+namespace wgm {
+__device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, 256;\n" :: "r"(id) : "memory"); }
+__device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" :: "r"(id) : "memory"); }
+enum { BAR_KFREE = 1, BAR_PFREE = 2, BAR_PREADY = 3 };
+
+// D[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B K-major in smem
+__device__ __forceinline__ void mma_n64(float (&d)[32], unsigned long long a, unsigned long long b, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(a), "l"(b), "r"(acc));
+}
+}  // namespace wgm
+
+extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64_qk1(
+    const bf16_t* __restrict__ q_lat, const bf16_t* __restrict__ q_pe, const bf16_t* __restrict__ latent,
+    const unsigned* __restrict__ tree_mask, bf16_t* __restrict__ out, float* __restrict__ o_part,
+    float* __restrict__ lse_part, int T, int H, int P, int S, int words, int chunk_keys, float scale_log2,
+    const int* __restrict__ seq_len) {
+    using namespace wgm;
+    if (seq_len != nullptr) {   // graph mode, as in mla_mma_body
+        S = __ldg(seq_len);
+        P = S - T;
+        chunk_keys = ((S + BN - 1) / BN + (int)gridDim.y - 1) / (int)gridDim.y * BN;
+    }
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const unsigned raw = smem_addr(smem_raw);
+    const unsigned base = (raw + 1023u) & ~1023u;
+    unsigned char* smem = smem_raw + (base - raw);
+    const unsigned sQa = base, sKa = base + OFF_K, sPa = base + OFF_P;
+    float* sAlpha = reinterpret_cast<float*>(smem + OFF_STATS);   // [BM]
+    float* sL = sAlpha + BM;                                       // [BM]
+    float* sM = sL + BM;                                           // [BM]
+
+    const int tid = threadIdx.x, wg = tid >> 7, wq = (tid >> 5) & 3, lane = tid & 31;
+    const int g = lane >> 2, q4 = lane & 3;
+    const int r0 = wq * 16 + g, r1 = r0 + 8;
+    const int M = T * H, row0 = blockIdx.x * BM, split = blockIdx.y;
+    const int key_begin = split * chunk_keys, key_end = min(S, key_begin + chunk_keys);
+    const int n_tiles = (key_end - key_begin + BN - 1) / BN;
+    const int t0 = min((row0 + r0) / H, T - 1), t1 = min((row0 + r1) / H, T - 1);
+
+    for (int i = tid; i < BM * MLA_ROW_CHUNKS; i += NTHREADS) {   // Q: chunks 0..63 q_lat, 64..71 q_pe
+        const int r = i / MLA_ROW_CHUNKS, c = i - r * MLA_ROW_CHUNKS, m = row0 + r;
+        const bool ok = m < M;
+        const bf16_t* src = !ok ? q_lat : (c < 64 ? q_lat + (long long)m * MLA_C + c * 8
+                                                   : q_pe + (long long)m * MLA_R + (c - 64) * 8);
+        cp_async16(sQa + panel_off(r, c), src, ok ? 16 : 0);
+    }
+    auto load_k = [&](int tile, int buf, int t_begin, int t_step) {
+        const int k0 = key_begin + tile * BN;
+        const unsigned dst = sKa + buf * TILE;
+        for (int i = t_begin; i < BN * MLA_ROW_CHUNKS; i += t_step) {
+            const int r = i / MLA_ROW_CHUNKS, c = i - r * MLA_ROW_CHUNKS, key = k0 + r;
+            const bool ok = key < key_end;
+            cp_async16(dst + panel_off(r, c), ok ? latent + (long long)key * MLA_L + c * 8 : latent, ok ? 16 : 0);
+        }
+    };
+    load_k(0, 0, tid, NTHREADS);
+    cp_async_commit();
+
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    float s[32];
+    float m_run0 = neg_inf(), m_run1 = neg_inf(), l_run0 = 0.f, l_run1 = 0.f;   // warpgroup 0 only
+
+    for (int it = 0; it < n_tiles; ++it) {
+        const int buf = it & 1;
+        const unsigned kb = sKa + buf * TILE;
+        cp_async_wait_all();
+        fence_async_smem();
+        __syncthreads();                 // K(it) (and Q) landed for everyone
+        if (wg == 0) {
+            // ---- S = Q K^T, all 64 keys. This half's PV(it-1) retires first (a wait_group 1 here, letting it
+            // retire under the QK, makes ptxas serialize every wgmma); warpgroup 1's PV(it-1) runs on.
+            wait<0>();
+            pin(o);
+            bar_arrive(BAR_KFREE);       // warpgroup 1 may refill PV(it-1)'s K buffer once its own half retired
+            pin(s);
+            fence();
+#pragma unroll
+            for (int kk = 0; kk < 36; ++kk) {
+                const unsigned a = sQa + (kk >> 2) * PANEL + (kk & 3) * 32;
+                const unsigned b = kb + (kk >> 2) * PANEL + (kk & 3) * 32;
+                mma_n64(s, desc(a, 16, 1024), desc(b, 16, 1024), kk > 0);
+            }
+            commit();
+            wait<0>();
+            pin(s);
+
+            const int key0 = key_begin + it * BN;
+            const bool need_mask = key0 + BN > P || key0 + BN > key_end;
+            float mx0 = neg_inf(), mx1 = neg_inf();
+#pragma unroll
+            for (int n = 0; n < 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float x = s[4 * n + e] * scale_log2;
+                    if (need_mask) {
+                        const int key = key0 + n * 8 + 2 * q4 + (e & 1);
+                        if (!key_visible(tree_mask, words, e < 2 ? t0 : t1, key, P, key_end)) x = neg_inf();
+                    }
+                    s[4 * n + e] = x;
+                }
+                mx0 = fmaxf(mx0, fmaxf(s[4 * n], s[4 * n + 1]));
+                mx1 = fmaxf(mx1, fmaxf(s[4 * n + 2], s[4 * n + 3]));
+            }
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+            const float mn0 = fmaxf(m_run0, mx0), mn1 = fmaxf(m_run1, mx1);
+            const float mu0 = mn0 == neg_inf() ? 0.f : mn0, mu1 = mn1 == neg_inf() ? 0.f : mn1;
+            const float alpha0 = softmax_exp2(m_run0 - mu0), alpha1 = softmax_exp2(m_run1 - mu1);
+            m_run0 = mn0;
+            m_run1 = mn1;
+            l_run0 *= alpha0;
+            l_run1 *= alpha1;
+            unsigned pk[16];
+#pragma unroll
+            for (int n = 0; n < 8; ++n) {
+                const float p0 = softmax_exp2(s[4 * n] - mu0), p1 = softmax_exp2(s[4 * n + 1] - mu0);
+                const float p2 = softmax_exp2(s[4 * n + 2] - mu1), p3 = softmax_exp2(s[4 * n + 3] - mu1);
+                l_run0 += p0 + p1;
+                l_run1 += p2 + p3;
+                pk[2 * n] = pack_bf16x2(p0, p1);
+                pk[2 * n + 1] = pack_bf16x2(p2, p3);
+            }
+            const bool moved = (alpha0 != 1.f) | (alpha1 != 1.f);
+            if (!MLA_SKIP_RESCALE || __any_sync(0xffffffffu, moved)) {
+#pragma unroll
+                for (int n = 0; n < 32; ++n) {
+                    o[4 * n] *= alpha0;
+                    o[4 * n + 1] *= alpha0;
+                    o[4 * n + 2] *= alpha1;
+                    o[4 * n + 3] *= alpha1;
+                }
+            }
+            bar_sync(BAR_PFREE);         // warpgroup 1's PV(it-1) no longer reads P
+#pragma unroll
+            for (int n = 0; n < 8; ++n) {
+                *reinterpret_cast<unsigned*>(smem + OFF_P + r0 * 128 + (((n ^ r0) & 7) << 4) + 4 * q4) = pk[2 * n];
+                *reinterpret_cast<unsigned*>(smem + OFF_P + r1 * 128 + (((n ^ r1) & 7) << 4) + 4 * q4) = pk[2 * n + 1];
+            }
+            if (q4 == 0) {
+                sAlpha[r0] = alpha0;
+                sAlpha[r1] = alpha1;
+            }
+            fence_async_smem();
+            bar_arrive(BAR_PREADY);
+        } else {
+            wait<0>();                   // this half's PV(it-1) retired
+            pin(o);
+            bar_sync(BAR_KFREE);         // and warpgroup 0's: buffer buf^1 is free
+            if (it + 1 < n_tiles) load_k(it + 1, buf ^ 1, tid - 128, 128);
+            cp_async_commit();
+            bar_arrive(BAR_PFREE);
+            bar_sync(BAR_PREADY);
+            const float alpha0 = sAlpha[r0], alpha1 = sAlpha[r1];
+            const bool moved = (alpha0 != 1.f) | (alpha1 != 1.f);
+            if (!MLA_SKIP_RESCALE || __any_sync(0xffffffffu, moved)) {
+#pragma unroll
+                for (int n = 0; n < 32; ++n) {
+                    o[4 * n] *= alpha0;
+                    o[4 * n + 1] *= alpha0;
+                    o[4 * n + 2] *= alpha1;
+                    o[4 * n + 3] *= alpha1;
+                }
+            }
+        }
+        // ---- O_w += P V_w (retires under the next tile's QK)
+        pin(o);
+        fence();
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+            mma_n256_bt(o, desc(sPa + k * 32, 16, 1024), desc(kb + wg * 4 * PANEL + k * 16 * 128, PANEL, 1024));
+        commit();
+    }
+    wait<0>();
+    pin(o);
+    cp_async_wait_all();
+
+    if (wg == 0) {
+        l_run0 += __shfl_xor_sync(0xffffffffu, l_run0, 1);
+        l_run0 += __shfl_xor_sync(0xffffffffu, l_run0, 2);
+        l_run1 += __shfl_xor_sync(0xffffffffu, l_run1, 1);
+        l_run1 += __shfl_xor_sync(0xffffffffu, l_run1, 2);
+        if (q4 == 0) {
+            sL[r0] = l_run0;
+            sL[r1] = l_run1;
+            sM[r0] = m_run0;
+            sM[r1] = m_run1;
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = h ? r1 : r0, m = row0 + r;
+        const float l = sL[r];
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        if (m >= M) continue;
+        if (o_part == nullptr) {
+            bf16_t* dst = out + (long long)m * MLA_C + wg * 256 + 2 * q4;
+#pragma unroll
+            for (int n = 0; n < 32; ++n)
+                *reinterpret_cast<unsigned*>(dst + n * 8) = pack_bf16x2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
+        } else {
+            float* dst = o_part + ((long long)split * M + m) * MLA_C + wg * 256 + 2 * q4;
+#pragma unroll
+            for (int n = 0; n < 32; ++n)
+                *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
+            if (wg == 0 && q4 == 0) lse_part[(long long)split * M + m] = l > 0.f ? sM[r] + __log2f(l) : neg_inf();
+        }
+    }
+}
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // ---- split-KV merge ----------------------------------------------------------------------------------
