@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One GPU call for the MLA attention kernel (issue 6): the localizing check with the variant A/B and the split
-# sweep, the GPU conformance (policy, serving properties, speed goals), then the bench with the best variant.
+# sweep, per-kernel device times (attention vs merge), the GPU conformance (policy, serving properties, speed goals), then the bench with the best variant.
 # Usage (repository root, on the GPU machine; set MLA_COMMIT where .git is stale):
 #   OUT=dir [BENCH=1] bash bench/mla_gpu_run.sh [extra pytest arguments for the bench, e.g. -k "33 or 1-"]
-# Writes $OUT/{check.txt,tests.txt,bench.txt,mla_attention.{json,md,png}}; prints short tails.
+# Writes $OUT/{check.txt,profile.txt,tests.txt,bench.txt,mla_attention.{json,md,png}}; prints short tails.
 set -u
 OUT=${OUT:-/tmp/mla_out}
 mkdir -p "$OUT"
@@ -13,6 +13,12 @@ q="-q -p no:cacheprovider --tb=short"
 
 timeout ${CHECK_TIMEOUT:-240} python3 bench/mla_gpu_check.py "$OUT/best_defines" > "$OUT/check.txt" 2>&1
 echo "check rc=$?"; grep -v DeprecationWarning "$OUT/check.txt" | grep -v "^  out = \|^  f = " | tail -45
+
+for cfg in ${PROF_CONFIGS:-auto}; do     # e.g. PROF_CONFIGS="auto mla_mma_w8_m64_n64_s2"
+  timeout ${PROF_TIMEOUT:-90} python3 bench/mla_profile.py $cfg >> "$OUT/profile.txt" 2>&1
+  echo "profile $cfg rc=$?"
+done
+grep "^T=" "$OUT/profile.txt"
 
 timeout ${TEST_TIMEOUT:-240} python3 -m pytest conformance/test_mla_attention.py $q -rxX > "$OUT/tests.txt" 2>&1
 echo "conformance rc=$?"; grep -E "passed|failed|FAILED|XPASS|XFAIL|Error" "$OUT/tests.txt" | tail -12
