@@ -376,8 +376,8 @@ def tree_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
                             i32(t), i32(h), i32(p), i32(s), i32(w), i32(pl.chunk_keys), scale_log2, dyn),
                            shared_mem=pl.smem)
         if o_part is not None:
-            kernels["mla_combine"]((m, 1, 1), (128, 1, 1), (ptr(o_part), ptr(lse), ptr(out), i32(m), i32(c),
-                                                            i32(pl.splits)))
+            kernels["mla_combine"]((m, c // 128, 1), (32, 1, 1), (ptr(o_part), ptr(lse), ptr(out), i32(m), i32(c),
+                                                                 i32(pl.splits)))
     return out
 
 

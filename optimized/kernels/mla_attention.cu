@@ -965,33 +965,33 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64_qk1(
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // ---- split-KV merge ----------------------------------------------------------------------------------
-// grid M, block 128: out[m, :] = sum_s 2^(lse_s - max) O_s[m, :] / sum_s 2^(lse_s - max)
-extern "C" __global__ void __launch_bounds__(128) mla_combine(const float* __restrict__ o_part,
-                                                              const float* __restrict__ lse_part,
-                                                              bf16_t* __restrict__ out, int M, int C,
-                                                              int splits) {
-    const int m = blockIdx.x;
+// grid (M, C/128), block 32: out[m, c..c+3] = sum_s 2^(lse_s - max) O_s[m, c..c+3] / sum_s 2^(lse_s - max),
+// c = blockIdx.y*128 + 4*lane. Small blocks so a decode step (M = 64) still spreads over every SM; the split
+// loop is unrolled so several partial rows are in flight per thread.
+extern "C" __global__ void __launch_bounds__(32) mla_combine(const float* __restrict__ o_part,
+                                                             const float* __restrict__ lse_part,
+                                                             bf16_t* __restrict__ out, int M, int C, int splits) {
+    const int m = blockIdx.x, c = blockIdx.y * 128 + threadIdx.x * 4;
     float mx = neg_inf();
-    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, lse_part[(long long)s * M + m]);
-    for (int c = threadIdx.x * 4; c < C; c += blockDim.x * 4) {
-        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f, den = 0.f;
-        if (mx != neg_inf()) {
-            for (int s = 0; s < splits; ++s) {
-                const float w = exp2f(lse_part[(long long)s * M + m] - mx);
-                const float4 v = *reinterpret_cast<const float4*>(o_part + ((long long)s * M + m) * C + c);
-                a0 += w * v.x;
-                a1 += w * v.y;
-                a2 += w * v.z;
-                a3 += w * v.w;
-                den += w;
-            }
+    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, __ldg(lse_part + (long long)s * M + m));
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f, den = 0.f;
+    if (mx != neg_inf()) {
+#pragma unroll 4
+        for (int s = 0; s < splits; ++s) {
+            const float w = exp2f(__ldg(lse_part + (long long)s * M + m) - mx);
+            const float4 v = __ldg(reinterpret_cast<const float4*>(o_part + ((long long)s * M + m) * C + c));
+            a0 += w * v.x;
+            a1 += w * v.y;
+            a2 += w * v.z;
+            a3 += w * v.w;
+            den += w;
         }
-        const float inv = den > 0.f ? 1.f / den : 0.f;
-        uint2 packed;
-        packed.x = pack_bf16x2(a0 * inv, a1 * inv);
-        packed.y = pack_bf16x2(a2 * inv, a3 * inv);
-        *reinterpret_cast<uint2*>(out + (long long)m * C + c) = packed;
     }
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+    uint2 packed;
+    packed.x = pack_bf16x2(a0 * inv, a1 * inv);
+    packed.y = pack_bf16x2(a2 * inv, a3 * inv);
+    *reinterpret_cast<uint2*>(out + (long long)m * C + c) = packed;
 }
 
 // ---- generic SIMT path (any small C, R) ---------------------------------------------------------------
