@@ -38,7 +38,7 @@ def main(argv: list[str]) -> None:
             torch.cuda.synchronize()
         per = defaultdict(float)
         for ev in prof.events():
-            if ev.device_type == torch.autograd.DeviceType.CUDA:
+            if ev.device_type == torch.autograd.DeviceType.CUDA and ev.name.startswith("mla_"):
                 per[ev.name] += ev.device_time / reps
         floor = mc.floor_seconds(*mc.work(case)) * 1e6
         cells = " ".join(f"{k}: {v:.1f} us" for k, v in sorted(per.items(), key=lambda kv: -kv[1]))

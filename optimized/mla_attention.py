@@ -91,7 +91,6 @@ class KernelConfig:
 WGMMA_ARCH = 90                  # sm_90a code runs on compute capability 9.0 only
 CONFIGS = {c.name: c for c in (
     KernelConfig("mla_wgmma_m64_n64", 8, 64, 64, 2, kind="wgmma", tile_cost=0.5),  # H100/H200: 231,424 B
-    KernelConfig("mla_wgmma_m64_n64_qk1", 8, 64, 64, 2, kind="wgmma", tile_cost=0.5),
     KernelConfig("mla_mma_w8_m64_n64_s2", 8, 64, 64, 2),     # sm_80+ with 227 KB opt-in: 230,912 B
     KernelConfig("mla_mma_w4_m32_n32_s1", 4, 32, 32, 1),     # 99 KB parts (sm_120, sm_86/89)
 )}
@@ -376,7 +375,7 @@ def tree_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
                             i32(t), i32(h), i32(p), i32(s), i32(w), i32(pl.chunk_keys), scale_log2, dyn),
                            shared_mem=pl.smem)
         if o_part is not None:
-            kernels["mla_combine"]((m, c // 128, 1), (32, 1, 1), (ptr(o_part), ptr(lse), ptr(out), i32(m), i32(c),
+            kernels["mla_combine"]((m, c // 128, 1), (128, 1, 1), (ptr(o_part), ptr(lse), ptr(out), i32(m), i32(c),
                                                                  i32(pl.splits)))
     return out
 

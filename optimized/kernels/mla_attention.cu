@@ -459,24 +459,27 @@ MLA_MMA_KERNEL(mla_mma_w4_m32_n32_s1, 4, 32, 32, 1)   //  76,544 B smem: sm_120 
 
 // ---- wgmma kernel (sm_90a: H100 / H200) ----------------------------------------------------------------
 // mla_wgmma_m64_n64: the mma kernel's tiling (64 query rows x 64-key tiles, split-KV, the same partials and
-// mla_combine) on Hopper's asynchronous warpgroup MMA, both operands straight from shared memory.
-//   block 256 threads = 2 warpgroups; warpgroup w (symmetric roles):
-//     S_w = Q K[w*32 .. +32]^T        36 x wgmma m64n32k16 (A = Q, B = K rows, both K-major)
-//     the two halves' row maxima meet in smem; P_w (bf16) -> smem
-//     O_w += P V[:, w*256 .. +256]    4 x wgmma m64n256k16 (A = P, B = V rows MN-major: .trans)
+// mla_combine) on Hopper's asynchronous warpgroup MMA, every operand straight from shared memory.
+//   block 256 threads = 2 warpgroups:
+//     warpgroup 0: S = Q K^T          36 x wgmma m64n64k16 (A = Q, B = K rows, both K-major), the online
+//                                     softmax, P (bf16) and the rescale alpha -> smem
+//     warpgroup w: O_w += P V_w       4 x wgmma m64n256k16 (A = P, B = V rows MN-major: .trans), w = 0, 1,
+//                                     output columns w*256 .. +256
 //   O_w is 64 x 256 fp32 = 128 registers per thread, and thread (warp k of w, lane) holds rows 16k + lane/4
-//   (+8) of both S_w and O_w, so the online-softmax rescale never leaves the registers.
+//   (+8) of both S and O_w, so warpgroup 0 rescales its O in registers; warpgroup 1 reads alpha from smem.
+//   Warpgroup 1's PV of tile j-1 runs on the tensor cores under warpgroup 0's QK of tile j; warpgroup 1
+//   issues the K loads. Named barriers (256 threads):
+//     KFREE  wg0 arrives when its PV(j-1) retired            -> wg1 loads K(j+1) into that buffer
+//     PFREE  wg1 arrives when its PV(j-1) retired            -> wg0 may overwrite P and alpha
+//     PREADY wg0 arrives when P(j) and alpha(j) are written -> wg1 rescales its O and issues PV(j)
+//   Measured against two warpgroups with symmetric roles (each QK over 32 of the keys, m64n32k16, maxima
+//   exchanged in smem): 15-20% faster at T >= 33 (Q is read from smem once per tile instead of twice; QK
+//   of the symmetric split is smem-bound), bench/results/mla_notes.md.
 // smem (1024-B aligned, 128-B swizzle): a 64-row tile of 576-value rows is 9 panels of 64 rows x 128 B
 //   (channels 64p..64p+63), 16-B chunk c of row r of a panel at r*128 + ((c ^ r) & 7)*16 -- the canonical
 //   128B-swizzle layout, K-major for Q and K (QK^T), MN-major for V (the same bytes, PV).
 //   Q 72 KB + 2 K stages 144 KB + P 8 KB + row stats 1 KB + 1 KB alignment slack = 231,424 B.
-// Variant MLA_WG_OVERLAP=1: PV of tile i runs under QK of tile i+1 (its wait is deferred; the next K load
-//   then starts after the QK wait instead of at the top of the tile).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#ifndef MLA_WG_OVERLAP
-#define MLA_WG_OVERLAP 0
-#endif
-
 namespace wgm {
 constexpr int BM = 64, BN = 64, NTHREADS = 256;
 constexpr int PANEL = 64 * 128;                      // one 64-channel panel of a 64-row tile
@@ -508,17 +511,6 @@ __device__ __forceinline__ void pin(float (&d)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
 }
 
-// D[64 x 32] (+)= A[64 x 16] B[16 x 32], A and B K-major in smem
-__device__ __forceinline__ void mma_n32(float (&d)[16], unsigned long long a, unsigned long long b, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "l"(a), "l"(b), "r"(acc));
-}
-
 #define WG_F8(b) "+f"(d[b]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), "+f"(d[b + 4]), "+f"(d[b + 5]), \
                  "+f"(d[b + 6]), "+f"(d[b + 7])
 // D[64 x 256] += A[64 x 16] B[16 x 256], A K-major, B MN-major (.trans) in smem
@@ -542,205 +534,7 @@ __device__ __forceinline__ void mma_n256_bt(float (&d)[128], unsigned long long 
         : "l"(a), "l"(b), "n"(1));
 }
 #undef WG_F8
-}  // namespace wgm
 
-extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
-    const bf16_t* __restrict__ q_lat, const bf16_t* __restrict__ q_pe, const bf16_t* __restrict__ latent,
-    const unsigned* __restrict__ tree_mask, bf16_t* __restrict__ out, float* __restrict__ o_part,
-    float* __restrict__ lse_part, int T, int H, int P, int S, int words, int chunk_keys, float scale_log2,
-    const int* __restrict__ seq_len) {
-    using namespace wgm;
-    if (seq_len != nullptr) {   // graph mode, as in mla_mma_body
-        S = __ldg(seq_len);
-        P = S - T;
-        chunk_keys = ((S + BN - 1) / BN + (int)gridDim.y - 1) / (int)gridDim.y * BN;
-    }
-    extern __shared__ __align__(1024) unsigned char smem_raw[];
-    const unsigned raw = smem_addr(smem_raw);
-    const unsigned base = (raw + 1023u) & ~1023u;                  // the swizzle atoms need 1024-B alignment
-    unsigned char* smem = smem_raw + (base - raw);
-    const unsigned sQa = base, sKa = base + OFF_K, sPa = base + OFF_P;
-    float* sMax = reinterpret_cast<float*>(smem + OFF_STATS);     // [2][BM]
-    float* sL = sMax + 2 * BM;                                     // [2][BM]
-
-    const int tid = threadIdx.x, wg = tid >> 7, wq = (tid >> 5) & 3, lane = tid & 31;
-    const int g = lane >> 2, q4 = lane & 3;
-    const int r0 = wq * 16 + g, r1 = r0 + 8;                       // this thread's two rows of S and O
-    const int M = T * H, row0 = blockIdx.x * BM, split = blockIdx.y;
-    const int key_begin = split * chunk_keys, key_end = min(S, key_begin + chunk_keys);
-    const int n_tiles = (key_end - key_begin + BN - 1) / BN;
-    const int t0 = min((row0 + r0) / H, T - 1), t1 = min((row0 + r1) / H, T - 1);
-
-    for (int i = tid; i < BM * MLA_ROW_CHUNKS; i += NTHREADS) {   // Q: chunks 0..63 q_lat, 64..71 q_pe
-        const int r = i / MLA_ROW_CHUNKS, c = i - r * MLA_ROW_CHUNKS, m = row0 + r;
-        const bool ok = m < M;
-        const bf16_t* src = !ok ? q_lat : (c < 64 ? q_lat + (long long)m * MLA_C + c * 8
-                                                   : q_pe + (long long)m * MLA_R + (c - 64) * 8);
-        cp_async16(sQa + panel_off(r, c), src, ok ? 16 : 0);
-    }
-    auto load_k = [&](int tile, int buf) {
-        const int k0 = key_begin + tile * BN;
-        const unsigned dst = sKa + buf * TILE;
-        for (int i = tid; i < BN * MLA_ROW_CHUNKS; i += NTHREADS) {
-            const int r = i / MLA_ROW_CHUNKS, c = i - r * MLA_ROW_CHUNKS, key = k0 + r;
-            const bool ok = key < key_end;
-            cp_async16(dst + panel_off(r, c), ok ? latent + (long long)key * MLA_L + c * 8 : latent, ok ? 16 : 0);
-        }
-    };
-    load_k(0, 0);
-    cp_async_commit();
-
-    float o[128];
-#pragma unroll
-    for (int i = 0; i < 128; ++i) o[i] = 0.f;
-    float s[16];
-    float m_run0 = neg_inf(), m_run1 = neg_inf(), l_run0 = 0.f, l_run1 = 0.f;
-
-    for (int it = 0; it < n_tiles; ++it) {
-        const int buf = it & 1;
-        const unsigned kb = sKa + buf * TILE;
-        cp_async_wait_all();
-        fence_async_smem();
-        __syncthreads();                 // tile `it` (and Q) landed for everyone
-#if !MLA_WG_OVERLAP
-        if (it + 1 < n_tiles) load_k(it + 1, buf ^ 1);   // buf^1 was retired by the wait at the end of it-1
-        cp_async_commit();
-#endif
-        // ---- S = Q K^T over 576 channels: k-step kk reads 32 B of panel kk/4 at column (kk%4)*16
-        pin(s);
-        fence();
-#pragma unroll
-        for (int kk = 0; kk < 36; ++kk) {
-            const unsigned a = sQa + (kk >> 2) * PANEL + (kk & 3) * 32;
-            const unsigned b = kb + (kk >> 2) * PANEL + wg * 32 * 128 + (kk & 3) * 32;
-            mma_n32(s, desc(a, 16, 1024), desc(b, 16, 1024), kk > 0);
-        }
-        commit();
-        wait<0>();                       // (overlap: PV of it-1 retires here too)
-        pin(s);
-        pin(o);
-
-        // ---- scale into the exp2 domain, mask, this half's row maxima
-        const int wkey0 = key_begin + it * BN + wg * 32;
-        const bool need_mask = wkey0 + 32 > P || wkey0 + 32 > key_end;
-        float mx0 = neg_inf(), mx1 = neg_inf();
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float x = s[4 * n + e] * scale_log2;
-                if (need_mask) {
-                    const int key = wkey0 + n * 8 + 2 * q4 + (e & 1);
-                    if (!key_visible(tree_mask, words, e < 2 ? t0 : t1, key, P, key_end)) x = neg_inf();
-                }
-                s[4 * n + e] = x;
-            }
-            mx0 = fmaxf(mx0, fmaxf(s[4 * n], s[4 * n + 1]));
-            mx1 = fmaxf(mx1, fmaxf(s[4 * n + 2], s[4 * n + 3]));
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        if (q4 == 0) {
-            sMax[wg * BM + r0] = mx0;
-            sMax[wg * BM + r1] = mx1;
-        }
-        __syncthreads();                 // both halves' maxima; (overlap: every PV of it-1 has retired)
-#if MLA_WG_OVERLAP
-        if (it + 1 < n_tiles) load_k(it + 1, buf ^ 1);
-        cp_async_commit();
-#endif
-        mx0 = fmaxf(sMax[r0], sMax[BM + r0]);
-        mx1 = fmaxf(sMax[r1], sMax[BM + r1]);
-
-        // ---- online softmax (both warpgroups compute the same m and alpha for a row)
-        const float mn0 = fmaxf(m_run0, mx0), mn1 = fmaxf(m_run1, mx1);
-        const float mu0 = mn0 == neg_inf() ? 0.f : mn0, mu1 = mn1 == neg_inf() ? 0.f : mn1;
-        const float alpha0 = softmax_exp2(m_run0 - mu0), alpha1 = softmax_exp2(m_run1 - mu1);
-        m_run0 = mn0;
-        m_run1 = mn1;
-        l_run0 *= alpha0;
-        l_run1 *= alpha1;
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-            const float p0 = softmax_exp2(s[4 * n] - mu0), p1 = softmax_exp2(s[4 * n + 1] - mu0);
-            const float p2 = softmax_exp2(s[4 * n + 2] - mu1), p3 = softmax_exp2(s[4 * n + 3] - mu1);
-            l_run0 += p0 + p1;
-            l_run1 += p2 + p3;
-            const int chunk = wg * 4 + n;                          // keys wg*32 + 8n .. +8 of the P row
-            *reinterpret_cast<unsigned*>(smem + OFF_P + r0 * 128 + (((chunk ^ r0) & 7) << 4) + 4 * q4) =
-                pack_bf16x2(p0, p1);
-            *reinterpret_cast<unsigned*>(smem + OFF_P + r1 * 128 + (((chunk ^ r1) & 7) << 4) + 4 * q4) =
-                pack_bf16x2(p2, p3);
-        }
-        bool moved = (alpha0 != 1.f) | (alpha1 != 1.f);
-        if (!MLA_SKIP_RESCALE || __any_sync(0xffffffffu, moved)) {
-#pragma unroll
-            for (int n = 0; n < 32; ++n) {
-                o[4 * n] *= alpha0;
-                o[4 * n + 1] *= alpha0;
-                o[4 * n + 2] *= alpha1;
-                o[4 * n + 3] *= alpha1;
-            }
-        }
-        fence_async_smem();
-        __syncthreads();                 // P complete (both halves)
-
-        // ---- O += P V: k-step k reads keys 16k..16k+15 (32 B of the P rows; two 8-row groups of V)
-        pin(o);
-        fence();
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-            mma_n256_bt(o, desc(sPa + k * 32, 16, 1024), desc(kb + wg * 4 * PANEL + k * 16 * 128, PANEL, 1024));
-        commit();
-#if !MLA_WG_OVERLAP
-        wait<0>();
-        pin(o);
-#endif
-    }
-    wait<0>();
-    pin(o);
-    cp_async_wait_all();
-
-    // ---- epilogue: total row sums (both halves), normalize, write
-    l_run0 += __shfl_xor_sync(0xffffffffu, l_run0, 1);
-    l_run0 += __shfl_xor_sync(0xffffffffu, l_run0, 2);
-    l_run1 += __shfl_xor_sync(0xffffffffu, l_run1, 1);
-    l_run1 += __shfl_xor_sync(0xffffffffu, l_run1, 2);
-    if (q4 == 0) {
-        sL[wg * BM + r0] = l_run0;
-        sL[wg * BM + r1] = l_run1;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = h ? r1 : r0, m = row0 + r;
-        const float l = sL[r] + sL[BM + r];
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        if (m >= M) continue;
-        if (o_part == nullptr) {
-            bf16_t* dst = out + (long long)m * MLA_C + wg * 256 + 2 * q4;
-#pragma unroll
-            for (int n = 0; n < 32; ++n)
-                *reinterpret_cast<unsigned*>(dst + n * 8) = pack_bf16x2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
-        } else {
-            float* dst = o_part + ((long long)split * M + m) * MLA_C + wg * 256 + 2 * q4;
-#pragma unroll
-            for (int n = 0; n < 32; ++n)
-                *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
-            if (wg == 0 && q4 == 0)
-                lse_part[(long long)split * M + m] = l > 0.f ? (h ? m_run1 : m_run0) + __log2f(l) : neg_inf();
-        }
-    }
-}
-// mla_wgmma_m64_n64_qk1: warpgroup 0 computes all of S = Q K^T (36 x m64n64k16: Q is read once per tile, not
-// twice) and the softmax; both warpgroups do O_w += P V_w. Warpgroup 1's PV of tile j-1 runs on the tensor
-// cores under warpgroup 0's QK of tile j; warpgroup 1 issues the K loads. Named barriers (256 threads):
-//   KFREE  wg0 arrives when PV(j-1) of its half retired     -> wg1 loads K(j+1) into that buffer
-//   PFREE  wg1 arrives when its PV(j-1) retired             -> wg0 may overwrite P and alpha
-//   PREADY wg0 arrives when P(j) and alpha(j) are written  -> wg1 rescales its O and issues PV(j)
-namespace wgm {
 __device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, 256;\n" :: "r"(id) : "memory"); }
 __device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" :: "r"(id) : "memory"); }
 enum { BAR_KFREE = 1, BAR_PFREE = 2, BAR_PREADY = 3 };
@@ -760,7 +554,7 @@ __device__ __forceinline__ void mma_n64(float (&d)[32], unsigned long long a, un
 }
 }  // namespace wgm
 
-extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64_qk1(
+extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
     const bf16_t* __restrict__ q_lat, const bf16_t* __restrict__ q_pe, const bf16_t* __restrict__ latent,
     const unsigned* __restrict__ tree_mask, bf16_t* __restrict__ out, float* __restrict__ o_part,
     float* __restrict__ lse_part, int T, int H, int P, int S, int words, int chunk_keys, float scale_log2,
@@ -965,32 +759,53 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64_qk1(
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // ---- split-KV merge ----------------------------------------------------------------------------------
-// grid (M, C/128), block 32: out[m, c..c+3] = sum_s 2^(lse_s - max) O_s[m, c..c+3] / sum_s 2^(lse_s - max),
-// c = blockIdx.y*128 + 4*lane. Small blocks so a decode step (M = 64) still spreads over every SM; the split
-// loop is unrolled so several partial rows are in flight per thread.
-extern "C" __global__ void __launch_bounds__(32) mla_combine(const float* __restrict__ o_part,
-                                                             const float* __restrict__ lse_part,
-                                                             bf16_t* __restrict__ out, int M, int C, int splits) {
-    const int m = blockIdx.x, c = blockIdx.y * 128 + threadIdx.x * 4;
+// grid (M, C/128), block 128: out[m, c..c+3] = sum_s 2^(lse_s - max) O_s[m, c..c+3] / sum_s 2^(lse_s - max),
+// c = blockIdx.y*128 + 4*lane; warp w sums the splits w, w+4, ... and the four warps meet in smem. A decode step
+// (M = 64) still spreads over 256 blocks with up to 16 partial rows in flight per block and column slice.
+extern "C" __global__ void __launch_bounds__(128) mla_combine(const float* __restrict__ o_part,
+                                                              const float* __restrict__ lse_part,
+                                                              bf16_t* __restrict__ out, int M, int C, int splits) {
+    __shared__ float4 s_acc[4][32];
+    __shared__ float s_den[4];
+    const int m = blockIdx.x, lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int c = blockIdx.y * 128 + lane * 4;
     float mx = neg_inf();
-    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, __ldg(lse_part + (long long)s * M + m));
-    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f, den = 0.f;
+    for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, __ldg(lse_part + (long long)s * M + m));
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    float den = 0.f;
     if (mx != neg_inf()) {
 #pragma unroll 4
-        for (int s = 0; s < splits; ++s) {
-            const float w = exp2f(__ldg(lse_part + (long long)s * M + m) - mx);
+        for (int s = w; s < splits; s += 4) {
+            const float wt = exp2f(__ldg(lse_part + (long long)s * M + m) - mx);
             const float4 v = __ldg(reinterpret_cast<const float4*>(o_part + ((long long)s * M + m) * C + c));
-            a0 += w * v.x;
-            a1 += w * v.y;
-            a2 += w * v.z;
-            a3 += w * v.w;
-            den += w;
+            acc.x += wt * v.x;
+            acc.y += wt * v.y;
+            acc.z += wt * v.z;
+            acc.w += wt * v.w;
+            den += wt;
         }
     }
-    const float inv = den > 0.f ? 1.f / den : 0.f;
+    s_acc[w][lane] = acc;
+    if (lane == 0) s_den[w] = den;
+    __syncthreads();
+    if (w != 0) return;
+    float4 t = s_acc[0][lane];
+    float d = s_den[0];
+#pragma unroll
+    for (int k = 1; k < 4; ++k) {
+        const float4 u = s_acc[k][lane];
+        t.x += u.x;
+        t.y += u.y;
+        t.z += u.z;
+        t.w += u.w;
+        d += s_den[k];
+    }
+    const float inv = d > 0.f ? 1.f / d : 0.f;
     uint2 packed;
-    packed.x = pack_bf16x2(a0 * inv, a1 * inv);
-    packed.y = pack_bf16x2(a2 * inv, a3 * inv);
+    packed.x = pack_bf16x2(t.x * inv, t.y * inv);
+    packed.y = pack_bf16x2(t.z * inv, t.w * inv);
     *reinterpret_cast<uint2*>(out + (long long)m * C + c) = packed;
 }
 
