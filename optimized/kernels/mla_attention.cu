@@ -75,6 +75,17 @@ __device__ __forceinline__ float softmax_exp2(float x) {
 #endif
 }
 
+// Online-softmax step of one row: the running max takes the tile max; returns alpha (the rescale of the running
+// sums, applied to l_run here) and sets mu, the exponent offset (0 for a row that has seen no key yet).
+__device__ __forceinline__ float online_step(float& m_run, float& l_run, float tile_max, float& mu) {
+    const float mn = fmaxf(m_run, tile_max);
+    mu = mn == neg_inf() ? 0.f : mn;
+    const float alpha = softmax_exp2(m_run - mu);
+    m_run = mn;
+    l_run *= alpha;
+    return alpha;
+}
+
 __device__ __forceinline__ float bf16_to_float(bf16_t v) { return __uint_as_float(((unsigned)v) << 16); }
 
 __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
@@ -325,13 +336,8 @@ __device__ __forceinline__ void mla_mma_body(
         }
 
         // ---- online softmax update (all KH warps of a row group compute the same m, alpha)
-        const float mn0 = fmaxf(m_run0, mx0), mn1 = fmaxf(m_run1, mx1);
-        const float mu0 = mn0 == neg_inf() ? 0.f : mn0, mu1 = mn1 == neg_inf() ? 0.f : mn1;
-        const float alpha0 = softmax_exp2(m_run0 - mu0), alpha1 = softmax_exp2(m_run1 - mu1);
-        m_run0 = mn0;
-        m_run1 = mn1;
-        l_run0 *= alpha0;
-        l_run1 *= alpha1;
+        float mu0, mu1;
+        const float alpha0 = online_step(m_run0, l_run0, mx0, mu0), alpha1 = online_step(m_run1, l_run1, mx1, mu1);
 #pragma unroll
         for (int n = 0; n < 2 * NP; ++n) {
             const float p0 = softmax_exp2(s[n][0] - mu0), p1 = softmax_exp2(s[n][1] - mu0);
@@ -552,6 +558,18 @@ __device__ __forceinline__ void mma_n64(float (&d)[32], unsigned long long a, un
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "l"(a), "l"(b), "r"(acc));
 }
+// O *= alpha row-wise (rows g and g+8 of the thread); skipped when no row of the warp moved (MLA_SKIP_RESCALE)
+__device__ __forceinline__ void rescale(float (&o)[128], float alpha0, float alpha1) {
+    const bool moved = (alpha0 != 1.f) | (alpha1 != 1.f);
+    if (MLA_SKIP_RESCALE && !__any_sync(0xffffffffu, moved)) return;
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+        o[4 * n] *= alpha0;
+        o[4 * n + 1] *= alpha0;
+        o[4 * n + 2] *= alpha1;
+        o[4 * n + 3] *= alpha1;
+    }
+}
 }  // namespace wgm
 
 extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
@@ -652,13 +670,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
             mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
             mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
             mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-            const float mn0 = fmaxf(m_run0, mx0), mn1 = fmaxf(m_run1, mx1);
-            const float mu0 = mn0 == neg_inf() ? 0.f : mn0, mu1 = mn1 == neg_inf() ? 0.f : mn1;
-            const float alpha0 = softmax_exp2(m_run0 - mu0), alpha1 = softmax_exp2(m_run1 - mu1);
-            m_run0 = mn0;
-            m_run1 = mn1;
-            l_run0 *= alpha0;
-            l_run1 *= alpha1;
+            float mu0, mu1;
+            const float alpha0 = online_step(m_run0, l_run0, mx0, mu0), alpha1 = online_step(m_run1, l_run1, mx1, mu1);
             unsigned pk[16];
 #pragma unroll
             for (int n = 0; n < 8; ++n) {
@@ -669,16 +682,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
                 pk[2 * n] = pack_bf16x2(p0, p1);
                 pk[2 * n + 1] = pack_bf16x2(p2, p3);
             }
-            const bool moved = (alpha0 != 1.f) | (alpha1 != 1.f);
-            if (!MLA_SKIP_RESCALE || __any_sync(0xffffffffu, moved)) {
-#pragma unroll
-                for (int n = 0; n < 32; ++n) {
-                    o[4 * n] *= alpha0;
-                    o[4 * n + 1] *= alpha0;
-                    o[4 * n + 2] *= alpha1;
-                    o[4 * n + 3] *= alpha1;
-                }
-            }
+            rescale(o, alpha0, alpha1);
             bar_sync(BAR_PFREE);         // warpgroup 1's PV(it-1) no longer reads P
 #pragma unroll
             for (int n = 0; n < 8; ++n) {
@@ -700,16 +704,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
             bar_arrive(BAR_PFREE);
             bar_sync(BAR_PREADY);
             const float alpha0 = sAlpha[r0], alpha1 = sAlpha[r1];
-            const bool moved = (alpha0 != 1.f) | (alpha1 != 1.f);
-            if (!MLA_SKIP_RESCALE || __any_sync(0xffffffffu, moved)) {
-#pragma unroll
-                for (int n = 0; n < 32; ++n) {
-                    o[4 * n] *= alpha0;
-                    o[4 * n + 1] *= alpha0;
-                    o[4 * n + 2] *= alpha1;
-                    o[4 * n + 3] *= alpha1;
-                }
-            }
+            rescale(o, alpha0, alpha1);
         }
         // ---- O_w += P V_w (retires under the next tile's QK)
         pin(o);
@@ -746,12 +741,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
             bf16_t* dst = out + (long long)m * MLA_C + wg * 256 + 2 * q4;
 #pragma unroll
             for (int n = 0; n < 32; ++n)
-                *reinterpret_cast<unsigned*>(dst + n * 8) = pack_bf16x2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
+                *reinterpret_cast<unsigned*>(dst + n * 8) =
+                    pack_bf16x2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
         } else {
             float* dst = o_part + ((long long)split * M + m) * MLA_C + wg * 256 + 2 * q4;
 #pragma unroll
             for (int n = 0; n < 32; ++n)
-                *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
+                *reinterpret_cast<float2*>(dst + n * 8) =
+                    make_float2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
             if (wg == 0 && q4 == 0) lse_part[(long long)split * M + m] = l > 0.f ? sM[r] + __log2f(l) : neg_inf();
         }
     }
