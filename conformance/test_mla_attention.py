@@ -131,6 +131,39 @@ def test_nvcc_builds(arch, tmp_path):
     assert max(spills) <= 64, f"register spills grew: {res.stderr}"
 
 
+def _nvrtc_build(arch: str, defines: tuple = ()) -> str:
+    """Compile the .cu with NVRTC (the compiler CuPy uses) for `arch` with ptxas -v; returns the log."""
+    try:
+        from cuda.bindings import nvrtc
+        err, prog = nvrtc.nvrtcCreateProgram(mla.kernel_source().encode(), b"mla_attention.cu", 0, [], [])
+    except Exception as e:  # noqa: BLE001 - no bindings or no libnvrtc: nothing to compile with
+        pytest.skip(f"no NVRTC (install cuda-bindings and nvidia-cuda-nvrtc): {type(e).__name__}: {e}")
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        pytest.skip(f"NVRTC unusable here: {err}")
+    opts = [b"-std=c++17", f"-arch={arch}".encode(), b"--ptxas-options=-v"] + [f"-D{d}".encode() for d in defines]
+    res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+    _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+    log = b" " * size
+    nvrtc.nvrtcGetProgramLog(prog, log)
+    text = log.decode(errors="replace").rstrip("\x00")
+    assert res[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS, text
+    return text
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_90a", "sm_120"])
+def test_nvrtc_builds(arch):
+    """What CuPy compiles on each device: the wgmma kernel only in the sm_90a build, no spills, and no wgmma
+    serialization (ptxas C7514, e.g. after a wait_group that ptxas cannot follow)."""
+    log = _nvrtc_build(arch)
+    names = [k for k, c in mla.CONFIGS.items() if c.runs_on(90 if arch == "sm_90a" else 0)]
+    for name in names + ["mla_combine", "mla_generic"]:
+        assert f"Compiling entry function '{name}'" in log
+    assert ("mla_wgmma_m64_n64" in log) == (arch == "sm_90a")
+    assert "C7514" not in log and "serialized" not in log, log
+    spills = [int(x.split()[0]) for x in log.replace("\n", ", ").split(", ") if x.endswith("bytes spill stores")]
+    assert spills and max(spills) == 0, log
+
+
 # ---- GPU: the tolerance policy ---------------------------------------------------------------------------
 
 CASES = [  # (T, H, prefix, kind)
