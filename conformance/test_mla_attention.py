@@ -278,6 +278,21 @@ def test_side_stream_and_graph_capture():
 
 
 @pytest.mark.gpu
+def test_missing_wgmma_kernel_raises(monkeypatch):
+    """A module without the sm_90a kernel (an NVRTC that ignored -arch=sm_90a) raises with what to do when the
+    plan picks it, never falling back; the mma.sync kernel still runs when asked for."""
+    if _default_backend() != "wgmma":
+        pytest.skip("the wgmma kernel exists on compute capability 9.0 only")
+    case = mc.make_case(9, 64, 100, seed=4)
+    args = (case.q_lat, case.q_pe, case.latent, case.tree_mask, case.scale)
+    monkeypatch.setitem(mla.device_info()["missing"], "mla_wgmma_m64_n64", "simulated")
+    with pytest.raises(RuntimeError, match="did not compile sm_90a code"):
+        tree_attention(*args)
+    out = tree_attention(*args, config=MMA_W8)
+    mc.check_policy(out, mc.reference_f64(case), mc.reference_bf16(case), "mma while wgmma is missing")
+
+
+@pytest.mark.gpu
 def test_gpu_layout_errors():
     case = mc.make_case(4, 8, 100, seed=1)
     lat = case.latent

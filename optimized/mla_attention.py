@@ -257,24 +257,22 @@ def _device_module(index: int, defines: tuple = ()):
         cc = props.major * 10 + props.minor
         with cupy.cuda.Device(index) as device:
             smem_optin = int(device.attributes["MaxSharedMemoryPerBlockOptin"])
-            # CuPy's NVRTC path compiles for the current device itself (-arch=sm_XX, cubin); adding our own
-            # -arch would pass the flag twice. The loaded binary's version is checked below instead.
-            # On 9.0 the module is sm_90a code (wgmma); NVRTC takes the -arch=sm_90a given here over the
-            # -arch=sm_90 CuPy appends, and the wgmma kernel exists only if it did (checked below).
+            # CuPy's NVRTC path compiles for the current device itself (-arch=sm_XX, cubin); the loaded binary's
+            # version is checked below. On 9.0 the module must be sm_90a code (wgmma): NVRTC takes the
+            # -arch=sm_90a given here over the -arch=sm_90 CuPy appends, and the wgmma kernel exists only if
+            # it did. A missing kernel is recorded and raised when a plan asks for it (tree_attention).
             options = ("-std=c++17",) + (("-arch=sm_90a",) if cc == WGMMA_ARCH else ()) \
                 + tuple(f"-D{d}" for d in defines)
             module = cupy.RawModule(code=kernel_source(), options=options)
-            kernels = {}
+            kernels, missing = {}, {}
             for cfg in CONFIGS.values():
                 if not cfg.runs_on(cc):
                     continue
                 try:
                     fn = module.get_function(cfg.name)
-                except Exception as e:   # noqa: BLE001 - re-raised with what to do
-                    raise RuntimeError(f"tree_attention: kernel {cfg.name} is missing from the module built for "
-                                       f"sm_{cc} with {options}: NVRTC did not compile sm_90a code (needs CUDA "
-                                       f">= 12.0 NVRTC); pass config='mla_mma_w8_m64_n64_s2' to run the "
-                                       f"mma.sync kernel instead") from e
+                except Exception as e:   # noqa: BLE001 - kept, raised with what to do when it is asked for
+                    missing[cfg.name] = f"{type(e).__name__}: {e}"
+                    continue
                 if cfg.smem_bytes <= smem_optin:
                     fn.max_dynamic_shared_size_bytes = cfg.smem_bytes
                 kernels[cfg.name] = fn
@@ -285,7 +283,8 @@ def _device_module(index: int, defines: tuple = ()):
                 raise RuntimeError(f"tree_attention: the module was built for sm_{built}, the device is sm_{cc}; "
                                    f"CuPy/NVRTC does not know this architecture: upgrade cupy-cuda13x")
             info = dict(arch=f"sm_{cc}" + ("a" if cc == WGMMA_ARCH else ""), cc=cc,
-                        sm_count=int(props.multi_processor_count), smem_optin=smem_optin, name=props.name)
+                        sm_count=int(props.multi_processor_count), smem_optin=smem_optin, name=props.name,
+                        missing=missing, options=options)
             _modules[key] = (kernels, info)
         return _modules[key]
 
@@ -349,6 +348,11 @@ def tree_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
         out = torch.empty((t, h, c), dtype=torch.bfloat16, device=dev)
     kernels, info = _device_module(dev.index, defines)
     pl = plan(t, h, c, r, s, info["sm_count"], info["smem_optin"], config, num_splits, info["cc"])
+    if pl.kernel in info["missing"]:
+        raise RuntimeError(f"tree_attention: kernel {pl.kernel} is missing from the module built with "
+                           f"{info['options']} ({info['missing'][pl.kernel]}): this NVRTC did not compile sm_90a "
+                           f"code (needs the CUDA >= 12.0 NVRTC); pass config='mla_mma_w8_m64_n64_s2' to run the "
+                           f"mma.sync kernel")
     cupy = _cupy()
     import numpy as np
     ptr = lambda x: np.uint64(x.data_ptr())                                      # noqa: E731
