@@ -53,9 +53,6 @@ def main():
         ("tree T=5 H=1 P=0", 5, 1, 0, "chain", {}),
         ("generic C=16 R=8 T=7", 7, 4, 5, "random", dict(c=16, r=8)),
     ]
-    extra = [k for k, c in mla.CONFIGS.items() if c.kind == "wgmma" and c.runs_on(info["cc"])][1:]
-    cases += [(f"{name} [{cfg[-4:]}]", t, h, p, kind, dict(kw, config=cfg)) for cfg in extra
-              for name, t, h, p, kind, kw in list(cases) if "config" not in kw and "c" not in kw]
     failures = 0
     for name, t, h, p, kind, kw in cases:
         c, r = kw.pop("c", 512), kw.pop("r", 64)
