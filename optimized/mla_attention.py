@@ -35,6 +35,7 @@ MAX_T = 1025                    # budget 1024 + root: the largest verify block t
 MMA_C, MMA_R = 512, 64          # the dims the tensor-core kernel is built for
 GENERIC_MAX_C, GENERIC_MAX_R = 1024, 256
 MAX_SPLITS = 256
+WGMMA_ARCH = 90                 # sm_90a code (the wgmma kernel) runs on compute capability 9.0 only
 _LOG2E = 1.4426950408889634
 _CU_PATH = Path(__file__).parent / "kernels" / "mla_attention.cu"
 
@@ -85,10 +86,9 @@ class KernelConfig:
         return self.bm * 1152 + self.stages * self.bn * 1152 + self.bm * self.bn * 2 + (2 * kh + 2) * self.bm * 4
 
     def runs_on(self, cc: int) -> bool:
-        return self.kind != "wgmma" or cc == 90
+        return self.kind != "wgmma" or cc == WGMMA_ARCH
 
 
-WGMMA_ARCH = 90                  # sm_90a code runs on compute capability 9.0 only
 CONFIGS = {c.name: c for c in (
     KernelConfig("mla_wgmma_m64_n64", 8, 64, 64, 2, kind="wgmma", tile_cost=0.5),  # H100/H200: 231,424 B
     KernelConfig("mla_mma_w8_m64_n64_s2", 8, 64, 64, 2),     # sm_80+ with 227 KB opt-in: 230,912 B

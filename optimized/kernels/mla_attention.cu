@@ -86,6 +86,25 @@ __device__ __forceinline__ float online_step(float& m_run, float& l_run, float t
     return alpha;
 }
 
+// Row max / row sum over the quad of lanes (lane & 3) that holds one accumulator row of an MMA fragment.
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Graph mode (seq_len given): S = P + T read on the device, the key range re-split over gridDim.y tiles of BN.
+template <int BN>
+__device__ __forceinline__ void graph_shape(const int* __restrict__ seq_len, int T, int& S, int& P, int& chunk_keys) {
+    if (seq_len == nullptr) return;
+    S = __ldg(seq_len);
+    P = S - T;
+    chunk_keys = ((S + BN - 1) / BN + (int)gridDim.y - 1) / (int)gridDim.y * BN;
+}
+
 __device__ __forceinline__ float bf16_to_float(bf16_t v) { return __uint_as_float(((unsigned)v) << 16); }
 
 __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
@@ -136,6 +155,31 @@ __device__ __forceinline__ unsigned row_off(int r, int c) {
     return (unsigned)(r * MLA_ROW_BYTES + ((((c & ~7) | ((c ^ r) & 7))) << 4));
 }
 
+// cp.async of a Q tile (`rows` query rows from row0: 16-B chunks 0..63 from q_lat, 64..71 from q_pe; rows past M
+// zero-filled) and of a K tile (`rows` latent rows from key k0; rows past key_end zero-filled, which keeps NaN
+// garbage out of P*V), threads t_begin, t_begin + t_step, ...; OFF places chunk c of row r in the smem tile.
+template <unsigned (*OFF)(int, int)>
+__device__ __forceinline__ void load_q_rows(unsigned dst, const bf16_t* __restrict__ q_lat,
+                                            const bf16_t* __restrict__ q_pe, int rows, int row0, int M, int t_begin,
+                                            int t_step) {
+    for (int i = t_begin; i < rows * MLA_ROW_CHUNKS; i += t_step) {
+        const int r = i / MLA_ROW_CHUNKS, c = i - r * MLA_ROW_CHUNKS, m = row0 + r;
+        const bool ok = m < M;
+        const bf16_t* src = !ok ? q_lat : (c < 64 ? q_lat + (long long)m * MLA_C + c * 8
+                                                   : q_pe + (long long)m * MLA_R + (c - 64) * 8);
+        cp_async16(dst + OFF(r, c), src, ok ? 16 : 0);
+    }
+}
+template <unsigned (*OFF)(int, int)>
+__device__ __forceinline__ void load_key_rows(unsigned dst, const bf16_t* __restrict__ latent, int rows, int k0,
+                                              int key_end, int t_begin, int t_step) {
+    for (int i = t_begin; i < rows * MLA_ROW_CHUNKS; i += t_step) {
+        const int r = i / MLA_ROW_CHUNKS, c = i - r * MLA_ROW_CHUNKS, key = k0 + r;
+        const bool ok = key < key_end;
+        cp_async16(dst + OFF(r, c), ok ? latent + (long long)key * MLA_L + c * 8 : latent, ok ? 16 : 0);
+    }
+}
+
 // Visibility of key slot `key` to tree row t: whole prefix, then the packed ancestor bits.
 __device__ __forceinline__ bool key_visible(const unsigned* __restrict__ mask, int words, int t, int key, int P,
                                             int key_end) {
@@ -182,11 +226,7 @@ __device__ __forceinline__ void mla_mma_body(
     float* __restrict__ lse_part, int T, int H, int P, int S, int words, int chunk_keys, float scale_log2,
     const int* __restrict__ seq_len) {
     typedef MmaCfg<NW, BM, BN, STAGES> Cfg;
-    if (seq_len != nullptr) {   // graph mode: S read on the device, the key range re-split over gridDim.y
-        S = __ldg(seq_len);
-        P = S - T;
-        chunk_keys = ((S + BN - 1) / BN + (int)gridDim.y - 1) / (int)gridDim.y * BN;
-    }
+    graph_shape<BN>(seq_len, T, S, P, chunk_keys);
     constexpr int RG = Cfg::RG, KH = Cfg::KH, KW = Cfg::KW, NP = Cfg::NP, CW = Cfg::CW, NT = Cfg::NT,
                   MT = Cfg::MT, PCH = Cfg::PCH, NTHREADS = NW * 32;
 
@@ -208,22 +248,9 @@ __device__ __forceinline__ void mla_mma_body(
     const int n_tiles = (key_end - key_begin + BN - 1) / BN;
     const unsigned sQa = smem_addr(sQ), sKa = smem_addr(sK), sPa = smem_addr(sP);
 
-    // Q tile: chunks 0..63 from q_lat, 64..71 from q_pe; rows past M are zero-filled.
-    for (int i = tid; i < BM * MLA_ROW_CHUNKS; i += NTHREADS) {
-        const int r = i / MLA_ROW_CHUNKS, c = i - r * MLA_ROW_CHUNKS, m = row0 + r;
-        const bool ok = m < M;
-        const bf16_t* src = !ok ? q_lat : (c < 64 ? q_lat + (long long)m * MLA_C + c * 8
-                                                   : q_pe + (long long)m * MLA_R + (c - 64) * 8);
-        cp_async16(sQa + row_off(r, c), src, ok ? 16 : 0);
-    }
+    load_q_rows<row_off>(sQa, q_lat, q_pe, BM, row0, M, tid, NTHREADS);
     auto load_k = [&](int tile, int buf) {
-        const int k0 = key_begin + tile * BN;
-        const unsigned base = sKa + buf * Cfg::K_BYTES;
-        for (int i = tid; i < BN * MLA_ROW_CHUNKS; i += NTHREADS) {
-            const int r = i / MLA_ROW_CHUNKS, c = i - r * MLA_ROW_CHUNKS, key = k0 + r;
-            const bool ok = key < key_end;
-            cp_async16(base + row_off(r, c), ok ? latent + (long long)key * MLA_L + c * 8 : latent, ok ? 16 : 0);
-        }
+        load_key_rows<row_off>(sKa + buf * Cfg::K_BYTES, latent, BN, key_begin + tile * BN, key_end, tid, NTHREADS);
     };
     load_k(0, 0);
     cp_async_commit();
@@ -316,10 +343,8 @@ __device__ __forceinline__ void mla_mma_body(
             mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
             mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
         }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        mx0 = quad_max(mx0);
+        mx1 = quad_max(mx1);
         if (KH > 1) {
             if (q4 == 0) {
                 sMax[kh * BM + qr0] = mx0;
@@ -407,10 +432,8 @@ __device__ __forceinline__ void mla_mma_body(
     cp_async_wait_all();   // an empty split (graph mode, key_begin >= S) still has its zero-fill copy in flight
 
     // ---- epilogue: total row sums, normalize, write
-    l_run0 += __shfl_xor_sync(0xffffffffu, l_run0, 1);
-    l_run0 += __shfl_xor_sync(0xffffffffu, l_run0, 2);
-    l_run1 += __shfl_xor_sync(0xffffffffu, l_run1, 1);
-    l_run1 += __shfl_xor_sync(0xffffffffu, l_run1, 2);
+    l_run0 = quad_sum(l_run0);
+    l_run1 = quad_sum(l_run1);
     if (q4 == 0) {
         sL[kh * BM + qr0] = l_run0;
         sL[kh * BM + qr1] = l_run1;
@@ -578,7 +601,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
     float* __restrict__ lse_part, int T, int H, int P, int S, int words, int chunk_keys, float scale_log2,
     const int* __restrict__ seq_len) {
     using namespace wgm;
-    if (seq_len != nullptr) {   // graph mode, as in mla_mma_body
+    if (seq_len != nullptr) {   // graph mode as graph_shape; inline: the call renames registers (other SASS)
         S = __ldg(seq_len);
         P = S - T;
         chunk_keys = ((S + BN - 1) / BN + (int)gridDim.y - 1) / (int)gridDim.y * BN;
@@ -600,21 +623,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
     const int n_tiles = (key_end - key_begin + BN - 1) / BN;
     const int t0 = min((row0 + r0) / H, T - 1), t1 = min((row0 + r1) / H, T - 1);
 
-    for (int i = tid; i < BM * MLA_ROW_CHUNKS; i += NTHREADS) {   // Q: chunks 0..63 q_lat, 64..71 q_pe
-        const int r = i / MLA_ROW_CHUNKS, c = i - r * MLA_ROW_CHUNKS, m = row0 + r;
-        const bool ok = m < M;
-        const bf16_t* src = !ok ? q_lat : (c < 64 ? q_lat + (long long)m * MLA_C + c * 8
-                                                   : q_pe + (long long)m * MLA_R + (c - 64) * 8);
-        cp_async16(sQa + panel_off(r, c), src, ok ? 16 : 0);
-    }
+    load_q_rows<panel_off>(sQa, q_lat, q_pe, BM, row0, M, tid, NTHREADS);
     auto load_k = [&](int tile, int buf, int t_begin, int t_step) {
-        const int k0 = key_begin + tile * BN;
-        const unsigned dst = sKa + buf * TILE;
-        for (int i = t_begin; i < BN * MLA_ROW_CHUNKS; i += t_step) {
-            const int r = i / MLA_ROW_CHUNKS, c = i - r * MLA_ROW_CHUNKS, key = k0 + r;
-            const bool ok = key < key_end;
-            cp_async16(dst + panel_off(r, c), ok ? latent + (long long)key * MLA_L + c * 8 : latent, ok ? 16 : 0);
-        }
+        load_key_rows<panel_off>(sKa + buf * TILE, latent, BN, key_begin + tile * BN, key_end, t_begin, t_step);
     };
     load_k(0, 0, tid, NTHREADS);
     cp_async_commit();
@@ -666,10 +677,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
                 mx0 = fmaxf(mx0, fmaxf(s[4 * n], s[4 * n + 1]));
                 mx1 = fmaxf(mx1, fmaxf(s[4 * n + 2], s[4 * n + 3]));
             }
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+            mx0 = quad_max(mx0);
+            mx1 = quad_max(mx1);
             float mu0, mu1;
             const float alpha0 = online_step(m_run0, l_run0, mx0, mu0), alpha1 = online_step(m_run1, l_run1, mx1, mu1);
             unsigned pk[16];
@@ -719,10 +728,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
     cp_async_wait_all();
 
     if (wg == 0) {
-        l_run0 += __shfl_xor_sync(0xffffffffu, l_run0, 1);
-        l_run0 += __shfl_xor_sync(0xffffffffu, l_run0, 2);
-        l_run1 += __shfl_xor_sync(0xffffffffu, l_run1, 1);
-        l_run1 += __shfl_xor_sync(0xffffffffu, l_run1, 2);
+        l_run0 = quad_sum(l_run0);
+        l_run1 = quad_sum(l_run1);
         if (q4 == 0) {
             sL[r0] = l_run0;
             sL[r1] = l_run1;
