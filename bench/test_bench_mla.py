@@ -65,18 +65,13 @@ def _sdpa(case: mc.Case):
 @pytest.mark.parametrize("prefix", PREFIXES)
 @pytest.mark.parametrize("t", TS)
 def test_bench_mla(benchmark, rows, t, prefix):
-    from optimized.mla_attention import plan_for, tree_attention
-    probe = mc.make_case(t, H, prefix, seed=t + prefix)
+    from optimized.mla_attention import plan_for
+    ours, probe, graph_call = mc.time_rotated(t, H, prefix, seed=t + prefix, defines=DEFINES)
     flops, nbytes = mc.work(probe)
     n_sets = mc.rotation(nbytes)
-    cases = [probe] + [mc.make_case(t, H, prefix, seed=t + prefix + i) for i in range(1, n_sets)]
-    masks = [c.tree_mask for c in cases]
-    calls = [(lambda c=c, m=m: tree_attention(c.q_lat, c.q_pe, c.latent, m, c.scale, defines=DEFINES))
-             for c, m in zip(cases, masks)]
-    ours = mc.time_graph(calls)
     pl = plan_for(probe.q_lat, probe.q_pe, probe.latent)
 
-    out = calls[0]()
+    out = graph_call()
     ref = mc.reference_bf16(probe)
     err = mc.errors(out, ref)
     torch_s = mc.time_eager(lambda: mc.reference_bf16(probe))
@@ -100,8 +95,6 @@ def test_bench_mla(benchmark, rows, t, prefix):
     benchmark.extra_info.update(row)
     benchmark.extra_info.update(_provenance())
     rows.append(row)
-
-    graph_call = calls[0]
 
     def one():
         graph_call()

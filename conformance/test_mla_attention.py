@@ -116,6 +116,25 @@ def test_plan_backends_and_configs():
 
 # ---- CPU: the .cu builds for both target architectures ---------------------------------------------------
 
+def _tensor_core_kernels(arch: str) -> list[str]:
+    return [k for k, c in mla.CONFIGS.items() if c.runs_on(mla.WGMMA_ARCH if arch == "sm_90a" else 0)]
+
+
+def _check_ptxas_report(arch: str, log: str) -> dict:
+    """The ptxas -v report of a build for `arch`: every kernel there (the wgmma kernel in sm_90a builds only),
+    no wgmma serialization (ptxas C7514, e.g. after a wait_group that ptxas cannot follow). Returns the spill
+    stores in bytes per entry function."""
+    for name in _tensor_core_kernels(arch) + ["mla_combine", "mla_generic"]:
+        assert f"Compiling entry function '{name}'" in log, log
+    assert ("mla_wgmma_m64_n64" in log) == (arch == "sm_90a")
+    assert "C7514" not in log and "serialized" not in log, f"ptxas serialized the wgmma pipeline: {log}"
+    spills = {}
+    for part in log.split("Compiling entry function '")[1:]:
+        name, rest = part.split("'", 1)
+        spills[name] = int(rest.split(" bytes spill stores")[0].rsplit(None, 1)[-1])
+    return spills
+
+
 @pytest.mark.parametrize("arch", ["sm_90", "sm_90a", "sm_120"])
 def test_nvcc_builds(arch, tmp_path):
     if shutil.which("nvcc") is None:
@@ -123,16 +142,11 @@ def test_nvcc_builds(arch, tmp_path):
     res = subprocess.run(["nvcc", f"-arch={arch}", "-cubin", "-std=c++17", "-Xptxas", "-v", "-o",
                           str(tmp_path / "mla.cubin"), str(mla._CU_PATH)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
-    cc = 90 if arch == "sm_90a" else 0      # the wgmma kernel exists in sm_90a builds only
-    for name in [k for k, c in mla.CONFIGS.items() if c.runs_on(cc)] + ["mla_combine", "mla_generic"]:
-        assert f"Compiling entry function '{name}'" in res.stderr
-    assert ("mla_wgmma_m64_n64" in res.stderr) == (arch == "sm_90a")
-    assert "serialized" not in res.stderr, f"ptxas serialized the wgmma pipeline: {res.stderr}"
-    spills = [int(x.split()[0]) for x in res.stderr.split(", ") if x.endswith("bytes spill stores")]
-    assert max(spills) <= 64, f"register spills grew: {res.stderr}"
+    spills = _check_ptxas_report(arch, res.stderr)
+    assert max(spills.values()) <= 64, f"register spills grew: {res.stderr}"
 
 
-def _nvrtc_build(arch: str, defines: tuple = ()) -> str:
+def _nvrtc_build(arch: str) -> str:
     """Compile the .cu with NVRTC (the compiler CuPy uses) for `arch` with ptxas -v; returns the log."""
     try:
         from cuda.bindings import nvrtc
@@ -144,7 +158,7 @@ def _nvrtc_build(arch: str, defines: tuple = ()) -> str:
         pytest.skip(f"no NVRTC (install cuda-bindings and nvidia-cuda-nvrtc): {type(e).__name__}: {e}")
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         pytest.skip(f"NVRTC unusable here: {err}")
-    opts = [b"-std=c++17", f"-arch={arch}".encode(), b"--ptxas-options=-v"] + [f"-D{d}".encode() for d in defines]
+    opts = [b"-std=c++17", f"-arch={arch}".encode(), b"--ptxas-options=-v"]
     res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     _, size = nvrtc.nvrtcGetProgramLogSize(prog)
     log = b" " * size
@@ -157,18 +171,9 @@ def _nvrtc_build(arch: str, defines: tuple = ()) -> str:
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_90a", "sm_120"])
 def test_nvrtc_builds(arch):
-    """What CuPy compiles on each device: the wgmma kernel only in the sm_90a build, no spills in the tensor-core
-    kernels, and no wgmma serialization (ptxas C7514, e.g. after a wait_group that ptxas cannot follow)."""
-    log = _nvrtc_build(arch)
-    names = [k for k, c in mla.CONFIGS.items() if c.runs_on(90 if arch == "sm_90a" else 0)]
-    for name in names + ["mla_combine", "mla_generic"]:
-        assert f"Compiling entry function '{name}'" in log
-    assert ("mla_wgmma_m64_n64" in log) == (arch == "sm_90a")
-    assert "C7514" not in log and "serialized" not in log, log
-    spills = {}                    # per entry function: the tensor-core kernels must not spill at all
-    for part in log.split("Compiling entry function '")[1:]:
-        name, rest = part.split("'", 1)
-        spills[name] = int(rest.split(" bytes spill stores")[0].rsplit(None, 1)[-1])
+    """What CuPy compiles on each device (_check_ptxas_report), and no spills in the tensor-core kernels."""
+    spills = _check_ptxas_report(arch, _nvrtc_build(arch))
+    names = _tensor_core_kernels(arch)
     assert set(spills) >= set(names) and all(spills[n] == 0 for n in names), spills
     assert spills["mla_generic"] <= 64, spills    # the fp32 SIMT path (8 B on sm_120 with NVRTC 13.0)
 
@@ -311,15 +316,10 @@ def test_gpu_layout_errors():
 # ---- GPU: speed goals (issue 6 section 5), judged by ratios measured in this run ----------------------------
 
 def _speed(t, prefix, h=64):
-    """Seconds per call timed as the bench does (graph replays over rotated input sets, so neither the replay
-    overhead nor the L2 flatters or penalizes one call), PyTorch's masked einsum, flops and bytes."""
-    case = mc.make_case(t, h, prefix, seed=99)
+    """Seconds per call as the bench times it (mla_cases.time_rotated), PyTorch's masked einsum, flops, bytes."""
+    ours, case, _ = mc.time_rotated(t, h, prefix, seed=99)
     assert mla.plan_for(case.q_lat, case.q_pe, case.latent).backend == _default_backend()
     flops, nbytes = mc.work(case)
-    cases = [case] + [mc.make_case(t, h, prefix, seed=99 + i) for i in range(1, mc.rotation(nbytes))]
-    masks = [c.tree_mask for c in cases]                          # packed once, outside the timed graph
-    ours = mc.time_graph([lambda c=c, m=m: tree_attention(c.q_lat, c.q_pe, c.latent, m, c.scale)
-                          for c, m in zip(cases, masks)])
     torch_s = mc.time_eager(lambda: mc.reference_bf16(case))
     return ours, torch_s, flops, nbytes
 
