@@ -205,13 +205,15 @@ kernels = {
                                   A(i32, 1), A(i64, 2))),
     "topk_filter": (K.topk_filter, (A(f32, 2), i64, i64, i64, A(f64, 1), A(i64, 2), A(i32, 2), A(i64, 2),
                                     A(f32, 2), A(i64, 2))),
-    "beam": (B.beam, (A(f32, 2), A(i64, 2), i64, i64, A(i64, 1), A(i64, 1), A(i64, 1), A(f64, 1), A(i64, 1))),
     "compile_rows": (V.compile_rows, (A(i64, 1),) * 4 + (i64, i64) + (A(i64, 1),) * 4
                      + (A(types.boolean, 2), A(i32, 2))),
     "follow": (V.follow, (A(i64, 1),) * 6),
     "commit_kv": (V.commit_kv, (A(i16, 2), i64, A(i64, 1), A(i64, 1))),
     "gather_rows": (V.gather_rows, (A(i16, 2), A(i64, 1), A(i64, 1), A(i16, 2))),
 }
+for budget in (16, 32, 64, 128, 256, 512, 1024):       # every beam variant the launcher picks
+    kernel, threads = B.beam_for(budget, 1024)
+    kernels[f"beam_T{threads}"] = (kernel, (A(f32, 2), A(i64, 2), i64, i64) + (A(i64, 1),) * 3 + (A(f64, 1), A(i64, 1)))
 for name, (kernel, sig) in kernels.items():
     ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
     print(name, "ok", len(ptx))
@@ -235,7 +237,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
         pytest.skip("no NVVM/NVRTC to compile with (install the CUDA toolkit or nvidia-cuda-nvrtc): "
                     + out.strip().splitlines()[-1][:200])
     assert proc.returncode == 0, out[-3000:]
-    assert out.count(" ok ") == 7, out
+    assert out.count(" ok ") == 12, out
 
 
 sim_only = pytest.mark.skipif(not SIM_CHILD, reason="runs inside test_simulator_suite's subprocess")
@@ -268,10 +270,10 @@ def test_sim_build_matches_reference(sim, kind, depth, vocab, budget, seed, chun
 @sim_only
 def test_sim_beam_batches_and_whole_row_select(sim, monkeypatch):
     """Small batch and candidate capacities force the paths that full shapes rarely take: several batches of
-    parents per depth (NEWCAP), and the whole-row select when the candidates overflow CAP (the simulator reads
-    module constants at run time, so they can be made tiny here)."""
+    parents per depth (a batch of NEW_FACTOR * 8 = 8 new candidates at budget 8), and the whole-row select when the
+    candidates overflow CAP (the simulator reads module constants at run time, so they can be made tiny here)."""
     from optimized.kernels import tree_beam, tree_topk
-    monkeypatch.setattr(tree_beam, "NEWCAP", 8)
+    monkeypatch.setattr(tree_beam, "NEW_FACTOR", 1)
     monkeypatch.setattr(tree_topk, "CAP", 8)
     for kind, seed in (("normal", 3), ("equal", 0), ("peaked", 1), ("integer", 2)):
         x = logits(kind, 3, 7, seed)

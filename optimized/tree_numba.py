@@ -27,9 +27,9 @@ from typing import Optional, Union
 
 import torch
 from numba import cuda
-from .kernels.tree_beam import BMAX, TMIN, beam
+from .kernels.tree_beam import BMAX, beam_for
 from .kernels.tree_device import SIM, WARP
-from .kernels.tree_topk import CAP, EPT, NB, PMAX, TOPK_TMAX, topk_filter, topk_stats
+from .kernels.tree_topk import CAP, DIRECT, EPT, NB, PMAX, SORT_NA, TOPK_T, topk_filter, topk_stats
 from .kernels.tree_verify import commit_kv, compile_rows, follow, gather_rows
 from reference.tree import CompiledTree, Tree, check_build_args, node_count
 
@@ -41,7 +41,8 @@ class Config:
     """Launch geometry. Block sizes: multiples of WARP, at most WARP*WARP, powers of two (reductions)."""
     topk_threads: int
     chunk: int             # fewest token ids per top-K block (raised so that all rows' blocks fit one wave,
-    beam_threads: int      #   a row has at most PMAX chunks, and a chunk is a multiple of topk_threads * EPT)
+                           #   a row has at most PMAX chunks, and a chunk is a multiple of topk_threads * EPT)
+    beam_threads: int      # largest beam block (the beam runs min(this, budget rounded up to a power of two))
     follow_threads: int
 
 
@@ -108,11 +109,12 @@ def _check_config(cfg: Config) -> Config:
     for t in (cfg.topk_threads, cfg.beam_threads, cfg.follow_threads):
         if t % WARP or t > WARP * WARP or t & (t - 1):
             raise ValueError(f"block size {t} must be a power of two, a multiple of {WARP}, <= {WARP * WARP}")
-    if not SIM and cfg.topk_threads > TOPK_TMAX:
-        raise ValueError(f"topk_threads {cfg.topk_threads} > {TOPK_TMAX} (the top-K kernels' launch bounds)")
-    if cfg.beam_threads < TMIN:
-        raise ValueError(f"beam_threads {cfg.beam_threads} < {TMIN}: the beam holds G in registers of >= {TMIN} "
-                         "threads")
+    if not SIM and cfg.topk_threads != TOPK_T:
+        raise ValueError(f"topk_threads must be {TOPK_T} on the GPU (the top-K kernels are compiled for that block), "
+                         f"got {cfg.topk_threads}")
+    if cfg.topk_threads * SORT_NA < max(DIRECT, BMAX):
+        raise ValueError(f"topk_threads {cfg.topk_threads} < {max(DIRECT, BMAX) // SORT_NA}: the top-K's final sort "
+                         f"holds {max(DIRECT, BMAX)} keys in {SORT_NA} registers per thread")
     return cfg
 
 
@@ -167,9 +169,11 @@ def _topk_stage(x, vocab: int, k: int, ws: _Workspace, cfg: Config, s) -> None:
 
 
 def _beam_stage(k: int, budget: int, ws: _Workspace, cfg: Config, s, tokens, depths, parents, scores) -> None:
-    """One launch: the first `budget` nodes in order into tokens/depths/parents/scores [budget]."""
+    """One launch: the first `budget` nodes in order into tokens/depths/parents/scores [budget]. The block is
+    the budget rounded up to a power of two (at least a warp), at most cfg.beam_threads threads."""
     a = ws.a
-    beam[1, cfg.beam_threads, s](a["top_lp"], a["top_id"], k, budget, _arr(tokens), _arr(depths), _arr(parents),
+    beam, threads = beam_for(budget, cfg.beam_threads)
+    beam[1, threads, s](a["top_lp"], a["top_id"], k, budget, _arr(tokens), _arr(depths), _arr(parents),
                                  _arr(scores), a["count"])
 
 

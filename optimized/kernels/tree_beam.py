@@ -1,7 +1,12 @@
 """Best-first selection on the GPU: the first B prefixes in the order of reference/tree.py, in that order.
 
-Launch geometry: one block of T threads (T >= TMIN: each thread owns GA members of G and NA new candidates in
-registers while they are merged); everything lives in shared memory (~47 KB at B = 1024).
+Launch geometry: one block of T threads; the kernel is built per (T, GA, NA) by `beam_for`: capacity
+C = T * GA >= budget (the next power of two, at least a warp), each thread owns GA members of G and NA new
+candidates in registers while they are merged, a batch holds NEWCAP = T * NA new candidates (>= C, so one parent's
+children always fit). On the GPU T = C up to 1024 (GA = 1, NA = 2): a budget of 16 runs one warp, not 32 of them
+(every phase costs each warp about the same instructions, so the block is no larger than the budget needs). T, C
+and NEWCAP are compile-time constants: the strided loops need no 64-bit division. Everything lives in shared memory
+(~47 KB at C = 1024).
 Input: the per-depth top-K (lp [L, K] fp32 on the 2^-28 grid, token ids [L, K]), sorted by rank.
 
 Order: a precedes b iff score(a) > score(b), or equal scores and tuple(a) < tuple(b) (rank tuples, a prefix
@@ -27,21 +32,16 @@ from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shi
 import numpy as np
 from numba import cuda
 
-from .tree_device import DEVICE, SIM, TBUF, WARP, block_scan, shfl_xor
+from .tree_device import DEVICE, SIM, TBUF, WARP, block_scan, pair_sort
 
 BMAX = 64 if SIM else 1024        # largest budget (and K)
 BMAX1 = BMAX + 1
-NEWCAP = 64 if SIM else 2048      # new candidates per batch: >= BMAX, so one parent's children always fit
-TMIN = 8 if SIM else 1024         # smallest block
-GA = (BMAX + TMIN - 1) // TMIN    # G members per thread
-NA = (NEWCAP + TMIN - 1) // TMIN  # new candidates per thread
+NEW_FACTOR = 2                    # a batch holds NEW_FACTOR * C new candidates (>= 1: at least C >= budget)
 SCALE = 268435456.0               # 2^28: lp and scores as integers
 PAD_Q = -(2 ** 62)                # a padding candidate's score (real scores are > -2^53)
-PAD_K = 0x7FFFFFFF
-# TMIN threads need <= 64 registers: launch bounds. Never with line info: NVVM 13.0 rejects launch bounds with it
+# Launch bounds T (at T = 1024: <= 64 registers). Never with line info: NVVM 13.0 rejects launch bounds with it
 # (ERROR_COMPILATION), and max_registers with it fails in nvJitLink ("Symbol name with unsupported characters"), so
 # DDTREE_NUMBA_LINEINFO=1 builds the other tree kernels with line info and this one as usual.
-BEAM_JIT = {} if SIM else {"launch_bounds": TMIN}
 M10 = 0x3FF                       # aux = parent << 20 | rank << 10 | tuple rank; new key = t(p) << 20 | r << 10 | p
 
 
@@ -57,275 +57,232 @@ def g_before(qg, tg, qc, tp):
     return qg > qc or (qg == qc and tg <= tp)
 
 
-@cuda.jit(**DEVICE)
-def n_first(qa, ka, qb, kb):
-    """New candidate a precedes new candidate b."""
-    return qa > qb or (qa == qb and ka < kb)
+def beam_for(budget: int, max_threads: int):
+    """(kernel, T): the beam variant for `budget` in blocks of at most max_threads (a power of two >= a warp)."""
+    cap = WARP
+    while cap < budget:
+        cap *= 2
+    threads = min(max_threads, cap)
+    ga = cap // threads
+    key = (threads, ga, max(1, NEW_FACTOR * ga))
+    if key not in _variants:
+        _variants[key] = _make_beam(*key)
+    return _variants[key], threads
 
 
-@cuda.jit(**DEVICE)
-def sort_new(nq, nk, n, sq, sk, buf):
-    """Sort the n candidates (nq, nk)[:n] into tree order in place (buf: the simulator twins' scratch). Element i is held by thread i % T in
-    register slot i // T; a bitonic network over the next power of two S >= n (padding sorts last)."""
-    tid = cuda.threadIdx.x
-    T = cuda.blockDim.x
-    S = 1
-    while S < n:
-        S *= 2
-    for a in range(NA):
-        i = tid + a * T
-        if i < n:
-            sq[a] = nq[i]
-            sk[a] = nk[i]
-        else:
-            sq[a] = PAD_Q
-            sk[a] = PAD_K
-    size = 2
-    while size <= S:
-        st = size // 2
-        while st > 0:
-            if st >= T:                              # partner in this thread
-                sa = st // T
-                for a in range(NA):                  # (a, b) constant after unrolling: registers, not a stack
-                    for b in range(a + 1, NA):
-                        i = tid + a * T
-                        if (a ^ b) != sa or i >= S:
-                            continue
-                        first = n_first(sq[a], sk[a], sq[b], sk[b])
-                        if first != ((i & size) == 0):
-                            q0, k0 = sq[a], sk[a]
-                            sq[a], sk[a] = sq[b], sk[b]
-                            sq[b], sk[b] = q0, k0
-            elif st < WARP:                          # partner in this warp
-                for a in range(NA):
-                    i = tid + a * T
-                    oq = shfl_xor(sq[a], st, buf)
-                    ok = shfl_xor(np.int64(sk[a]), st, buf)
-                    lower = (i & st) == 0
-                    mine_first = n_first(sq[a], sk[a], oq, ok)
-                    if mine_first != (lower == ((i & size) == 0)):
-                        sq[a] = oq
-                        sk[a] = np.int32(ok)
-            else:                                    # partner in another warp: through shared memory
-                cuda.syncthreads()
-                for a in range(NA):
-                    i = tid + a * T
-                    if i < S:
-                        nq[i] = sq[a]
-                        nk[i] = sk[a]
-                cuda.syncthreads()
-                for a in range(NA):
-                    i = tid + a * T
-                    if i < S:
-                        j = i ^ st
-                        oq, ok = nq[j], nk[j]
-                        mine_first = n_first(sq[a], sk[a], oq, ok)
-                        if mine_first != ((i < j) == ((i & size) == 0)):
-                            sq[a] = oq
-                            sk[a] = ok
-            st //= 2
-        size *= 2
-    cuda.syncthreads()
-    for a in range(NA):
-        i = tid + a * T
-        if i < n:
-            nq[i] = sq[a]
-            nk[i] = sk[a]
-    cuda.syncthreads()
+_variants: dict = {}
 
 
-@cuda.jit(**BEAM_JIT)
-def beam(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
-    tid = cuda.threadIdx.x
-    T = cuda.blockDim.x
-    gq = cuda.shared.array(BMAX, np.int64)          # G: scores, aux, depths, in order
-    gaux = cuda.shared.array(BMAX, np.int32)
-    gdep = cuda.shared.array(BMAX, np.int8)
-    nq = cuda.shared.array(NEWCAP, np.int64)        # the batch's new candidates (also the sort's exchange)
-    nk = cuda.shared.array(NEWCAP, np.int32)
-    lp = cuda.shared.array(BMAX, np.float32)        # this depth's lp by rank
-    off = cuda.shared.array(BMAX1, np.int32)     # per-parent offsets; then kept counts / bases by tuple rank
-    fr = cuda.shared.array(BMAX, np.int16)          # frontier (G indices); then the old -> new G index map
-    tmp = cuda.shared.array(32, np.int64)
-    buf = cuda.shared.array(TBUF, np.int64)
-    rq = cuda.local.array(GA, np.int64)
-    ra = cuda.local.array(GA, np.int32)
-    rd = cuda.local.array(GA, np.int32)
-    rp = cuda.local.array(GA, np.int32)
-    sq = cuda.local.array(NA, np.int64)
-    sk = cuda.local.array(NA, np.int32)
-    sp = cuda.local.array(NA, np.int32)
-    depth = top_lp.shape[0]
-    m = min(k, budget)
-    for r in range(tid, m, T):
-        gq[r] = q_of(top_lp[0, r])
-        gaux[r] = (r << 10) | r
-        gdep[r] = 1
-    e = 1
-    alive = True
-    while alive and e < depth:                       # children at depth e + 1 of the depth-e members
-        cuda.syncthreads()
-        for r in range(tid, k, T):
-            lp[r] = top_lp[e, r]
-        nproc = 0
-        first = True
-        while True:
-            nf = 0                                   # frontier: depth-e members, in order
-            for c in range(0, m, T):
-                i = c + tid
-                f = 1 if i < m and gdep[i] == e else 0
-                ex, tot = block_scan(f, tmp, buf)
-                if f == 1:
-                    fr[nf + ex] = i
-                nf += tot
+def _make_beam(T, GA, NA):
+    """The beam kernel for blocks of exactly T threads, GA members and NA new candidates per thread."""
+    CAPB = T * GA                 # budget capacity (and K)
+    CAPB1 = CAPB + 1
+    NEWCAP = T * NA               # new candidates per batch
+    jit = {} if SIM else {"launch_bounds": T}
+
+    sort_new = pair_sort(NA)
+
+    @cuda.jit(**jit)
+    def beam(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
+        tid = cuda.threadIdx.x
+        gq = cuda.shared.array(CAPB, np.int64)          # G: scores, aux, depths, in order
+        gaux = cuda.shared.array(CAPB, np.int32)
+        gdep = cuda.shared.array(CAPB, np.int8)
+        nq = cuda.shared.array(NEWCAP, np.int64)        # the batch's new candidates (also the sort's exchange)
+        nk = cuda.shared.array(NEWCAP, np.int32)
+        lp = cuda.shared.array(CAPB, np.float32)        # this depth's lp by rank
+        off = cuda.shared.array(CAPB1, np.int32)     # per-parent offsets; then kept counts / bases by tuple rank
+        fr = cuda.shared.array(CAPB, np.int16)          # frontier (G indices); then the old -> new G index map
+        tmp = cuda.shared.array(32, np.int64)
+        buf = cuda.shared.array(TBUF, np.int64)
+        rq = cuda.local.array(GA, np.int64)
+        ra = cuda.local.array(GA, np.int32)
+        rd = cuda.local.array(GA, np.int32)
+        rp = cuda.local.array(GA, np.int32)
+        sq = cuda.local.array(NA, np.int64)
+        sk = cuda.local.array(NA, np.int32)
+        sp = cuda.local.array(NA, np.int32)
+        nxt = cuda.local.array(GA, np.float32)          # the next depth's lp, loaded one depth ahead
+        depth = top_lp.shape[0]
+        m = min(k, budget)
+        for r in range(tid, m, T):
+            gq[r] = q_of(top_lp[0, r])
+            gaux[r] = (r << 10) | r
+            gdep[r] = 1
+        for a in range(GA):
+            r = tid + a * T
+            nxt[a] = top_lp[1, r] if r < k and depth > 1 else np.float32(0)
+        e = 1
+        alive = True
+        while alive and e < depth:                       # children at depth e + 1 of the depth-e members
             cuda.syncthreads()
-            if first and nf == 0:
-                alive = False
-            first = False
-            if nproc >= nf:
-                break
-            full = m == budget
-            wq = gq[m - 1]
-            wt = gaux[m - 1] & M10
-            nrem = nf - nproc
-            total = 0
-            for c in range(0, nrem, T):              # how many children of each parent can enter
-                jl = c + tid
-                cnt = 0
-                if jl < nrem:
-                    j = nproc + jl
-                    p = fr[j]
-                    cnt = min(k, budget // (j + 1), (budget - 1 - p) // (jl + 1))
-                    if full and cnt > 0:
-                        pq = gq[p]
-                        pt = gaux[p] & M10
-                        lo = 0
-                        hi = cnt
-                        while lo < hi:
-                            mid = (lo + hi) // 2
-                            if g_before(wq, wt, pq + q_of(lp[mid]), pt):
-                                hi = mid
-                            else:
-                                lo = mid + 1
-                        cnt = lo
-                ex, tot = block_scan(cnt, tmp, buf)
-                if jl < nrem:
-                    off[jl] = total + ex
-                total += tot
-            if tid == 0:
-                off[nrem] = total
-            cuda.syncthreads()
-            if total == 0:
-                break
-            lo = 0                                   # batch: parents [0, nb) with off[nb] <= NEWCAP
-            hi = nrem
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if off[mid] <= NEWCAP:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            nb = lo
-            n = off[nb]
-            for s in range(tid, n, T):               # materialize
-                lo = 0
-                hi = nb - 1
-                while lo < hi:                       # last parent whose offset is <= s
+            for a in range(GA):
+                r = tid + a * T
+                if r < k:
+                    lp[r] = nxt[a]
+                if r < k and e + 1 < depth:
+                    nxt[a] = top_lp[e + 1, r]
+            nproc = 0
+            first = True
+            while True:
+                nf = 0                                   # frontier: depth-e members, in order
+                for c in range(0, m, T):
+                    i = c + tid
+                    f = 1 if i < m and gdep[i] == e else 0
+                    ex, tot = block_scan(f, tmp, buf)
+                    if f == 1:
+                        fr[nf + ex] = i
+                    nf += tot
+                cuda.syncthreads()
+                if first and nf == 0:
+                    alive = False
+                first = False
+                if nproc >= nf:
+                    break
+                full = m == budget
+                wq = gq[m - 1]
+                wt = gaux[m - 1] & M10
+                nrem = nf - nproc
+                total = 0
+                for c in range(0, nrem, T):              # how many children of each parent can enter
+                    jl = c + tid
+                    cnt = 0
+                    if jl < nrem:
+                        j = nproc + jl
+                        p = fr[j]
+                        cnt = min(k, budget // (j + 1), (budget - 1 - p) // (jl + 1))
+                        if full and cnt > 0:
+                            pq = gq[p]
+                            pt = gaux[p] & M10
+                            lo = 0
+                            hi = cnt
+                            while lo < hi:
+                                mid = (lo + hi) // 2
+                                if g_before(wq, wt, pq + q_of(lp[mid]), pt):
+                                    hi = mid
+                                else:
+                                    lo = mid + 1
+                            cnt = lo
+                    ex, tot = block_scan(cnt, tmp, buf)
+                    if jl < nrem:
+                        off[jl] = total + ex
+                    total += tot
+                if tid == 0:
+                    off[nrem] = total
+                cuda.syncthreads()
+                if total == 0:
+                    break
+                lo = 0                                   # batch: parents [0, nb) with off[nb] <= NEWCAP
+                hi = nrem
+                while lo < hi:
                     mid = (lo + hi + 1) // 2
-                    if off[mid] <= s:
+                    if off[mid] <= NEWCAP:
                         lo = mid
                     else:
                         hi = mid - 1
-                r = s - off[lo]
-                p = fr[nproc + lo]
-                nq[s] = gq[p] + q_of(lp[r])
-                nk[s] = ((gaux[p] & M10) << 20) | (r << 10) | p
-            cuda.syncthreads()
-            sort_new(nq, nk, n, sq, sk, buf)
-            for a in range(GA):                      # merge: G members move down by the new before them
-                i = tid + a * T
-                if i < m:
-                    qg = gq[i]
-                    tg = gaux[i] & M10
+                nb = lo
+                n = off[nb]
+                for s in range(tid, n, T):               # materialize
                     lo = 0
-                    hi = n
-                    while lo < hi:
-                        mid = (lo + hi) // 2
-                        if g_before(qg, tg, nq[mid], nk[mid] >> 20):
-                            hi = mid
+                    hi = nb - 1
+                    while lo < hi:                       # last parent whose offset is <= s
+                        mid = (lo + hi + 1) // 2
+                        if off[mid] <= s:
+                            lo = mid
                         else:
-                            lo = mid + 1
-                    rq[a] = qg
-                    ra[a] = gaux[i]
-                    rd[a] = gdep[i]
-                    rp[a] = i + lo
-            for a in range(NA):                      # ... and the new ones by the G members before them
-                q = tid + a * T
-                if q < n:
-                    qc = nq[q]
-                    kc = nk[q]
-                    tp = kc >> 20
-                    lo = 0
-                    hi = m
-                    while lo < hi:
-                        mid = (lo + hi) // 2
-                        if g_before(gq[mid], gaux[mid] & M10, qc, tp):
-                            lo = mid + 1
-                        else:
-                            hi = mid
-                    sq[a] = qc
-                    sk[a] = kc
-                    sp[a] = q + lo
-            for i in range(tid, m, T):
-                off[i] = 0
-            cuda.syncthreads()
-            for a in range(GA):                      # old -> new index; kept counts by tuple rank
-                i = tid + a * T
-                if i < m:
-                    fr[i] = rp[a]
-                    if rp[a] < budget:
-                        cuda.atomic.add(off, ra[a] & M10, 1)
-            for a in range(NA):
-                if tid + a * T < n and sp[a] < budget:
-                    cuda.atomic.add(off, sk[a] >> 20, 1)
-            cuda.syncthreads()
-            base = 0
-            for c in range(0, m, T):                 # exclusive scan over tuple ranks
-                i = c + tid
-                v = off[i] if i < m else 0
-                ex, tot = block_scan(v, tmp, buf)
-                if i < m:
-                    off[i] = base + ex
-                base += tot
-            cuda.syncthreads()
-            for a in range(GA):
-                i = tid + a * T
-                if i < m and rp[a] < budget:
-                    aux = ra[a]
-                    par = fr[aux >> 20] if rd[a] > 1 else 0
-                    gq[rp[a]] = rq[a]
-                    gaux[rp[a]] = (np.int32(par) << 20) | (aux & (M10 << 10)) | off[aux & M10]
-                    gdep[rp[a]] = rd[a]
-            for a in range(NA):
-                if tid + a * T < n and sp[a] < budget:
-                    kc = sk[a]
-                    r = (kc >> 10) & M10
-                    gq[sp[a]] = sq[a]
-                    gaux[sp[a]] = (np.int32(fr[kc & M10]) << 20) | (r << 10) | (off[kc >> 20] + 1 + r)
-                    gdep[sp[a]] = e + 1
-            cuda.syncthreads()
-            m = min(budget, m + n)
-            nproc += nb
-            if nb == nrem:
-                break
-        e += 1
-    cuda.syncthreads()
-    for i in range(tid, m, T):                       # output in order
-        aux = gaux[i]
-        d = np.int64(gdep[i])
-        out_tok[i] = top_id[d - 1, (aux >> 10) & M10]
-        out_dep[i] = d
-        out_par[i] = (aux >> 20) + 1 if d > 1 else 0
-        out_score[i] = np.float64(gq[i]) / SCALE
-    if tid == 0:
-        out_n[0] = m
+                            hi = mid - 1
+                    r = s - off[lo]
+                    p = fr[nproc + lo]
+                    nq[s] = gq[p] + q_of(lp[r])
+                    nk[s] = ((gaux[p] & M10) << 20) | (r << 10) | p
+                cuda.syncthreads()
+                sort_new(nq, nk, n, PAD_Q, buf)
+                for a in range(GA):                      # merge: G members move down by the new before them
+                    i = tid + a * T
+                    if i < m:
+                        qg = gq[i]
+                        tg = gaux[i] & M10
+                        lo = 0
+                        hi = n
+                        while lo < hi:
+                            mid = (lo + hi) // 2
+                            if g_before(qg, tg, nq[mid], nk[mid] >> 20):
+                                hi = mid
+                            else:
+                                lo = mid + 1
+                        rq[a] = qg
+                        ra[a] = gaux[i]
+                        rd[a] = gdep[i]
+                        rp[a] = i + lo
+                for a in range(NA):                      # ... and the new ones by the G members before them
+                    q = tid + a * T
+                    if q < n:
+                        qc = nq[q]
+                        kc = nk[q]
+                        tp = kc >> 20
+                        lo = 0
+                        hi = m
+                        while lo < hi:
+                            mid = (lo + hi) // 2
+                            if g_before(gq[mid], gaux[mid] & M10, qc, tp):
+                                lo = mid + 1
+                            else:
+                                hi = mid
+                        sq[a] = qc
+                        sk[a] = kc
+                        sp[a] = q + lo
+                for i in range(tid, m, T):
+                    off[i] = 0
+                cuda.syncthreads()
+                for a in range(GA):                      # old -> new index; kept counts by tuple rank
+                    i = tid + a * T
+                    if i < m:
+                        fr[i] = rp[a]
+                        if rp[a] < budget:
+                            cuda.atomic.add(off, ra[a] & M10, 1)
+                for a in range(NA):
+                    if tid + a * T < n and sp[a] < budget:
+                        cuda.atomic.add(off, sk[a] >> 20, 1)
+                cuda.syncthreads()
+                base = 0
+                for c in range(0, m, T):                 # exclusive scan over tuple ranks
+                    i = c + tid
+                    v = off[i] if i < m else 0
+                    ex, tot = block_scan(v, tmp, buf)
+                    if i < m:
+                        off[i] = base + ex
+                    base += tot
+                cuda.syncthreads()
+                for a in range(GA):
+                    i = tid + a * T
+                    if i < m and rp[a] < budget:
+                        aux = ra[a]
+                        par = fr[aux >> 20] if rd[a] > 1 else 0
+                        gq[rp[a]] = rq[a]
+                        gaux[rp[a]] = (np.int32(par) << 20) | (aux & (M10 << 10)) | off[aux & M10]
+                        gdep[rp[a]] = rd[a]
+                for a in range(NA):
+                    if tid + a * T < n and sp[a] < budget:
+                        kc = sk[a]
+                        r = (kc >> 10) & M10
+                        gq[sp[a]] = sq[a]
+                        gaux[sp[a]] = (np.int32(fr[kc & M10]) << 20) | (r << 10) | (off[kc >> 20] + 1 + r)
+                        gdep[sp[a]] = e + 1
+                cuda.syncthreads()
+                m = min(budget, m + n)
+                nproc += nb
+                if nb == nrem:
+                    break
+            e += 1
+        cuda.syncthreads()
+        for i in range(tid, m, T):                       # output in order
+            aux = gaux[i]
+            d = np.int64(gdep[i])
+            out_tok[i] = top_id[d - 1, (aux >> 10) & M10]
+            out_dep[i] = d
+            out_par[i] = (aux >> 20) + 1 if d > 1 else 0
+            out_score[i] = np.float64(gq[i]) / SCALE
+        if tid == 0:
+            out_n[0] = m
+
+    return beam

@@ -155,3 +155,105 @@ def key_value(key):
     if key >= np.int64(0x80000000):
         return f32_from_bits(key - np.int64(0x80000000))
     return f32_from_bits((np.int64(0x7FFFFFFF) - key) - np.int64(0x80000000))
+
+
+PAD_K = 0x7FFFFFFF                  # the companion of a padding element (sorts after every real one)
+
+
+@cuda.jit(**DEVICE)
+def n_first(qa, ka, qb, kb):
+    """Pair a precedes pair b in pair_sort's order: q descending, then k ascending."""
+    return qa > qb or (qa == qb and ka < kb)
+
+
+_pair_sorts: dict = {}
+
+
+def pair_sort(NA):
+    """Device function sort(nq, nk, n, pad_q, buf): sorts the pairs (nq int64, nk int32)[:n] in shared memory in
+    place by (q descending, k ascending), for blocks of T threads with T * NA >= S, S the power of two >= n. Every
+    thread of the block calls it. A bitonic network over S: element i is held by thread i % T in register slot
+    i // T; stages whose partner is in the same thread swap registers, partners in the same warp exchange through
+    shuffles (warps holding padding only skip them), others through shared memory (two barriers). Padding is
+    (pad_q, PAD_K): pad_q must sort after every real q. buf: the simulator twins' scratch."""
+    if NA in _pair_sorts:
+        return _pair_sorts[NA]
+
+    @cuda.jit(**DEVICE)
+    def sort(nq, nk, n, pad_q, buf):
+        tid = cuda.threadIdx.x
+        T = cuda.blockDim.x
+        lane = tid % WARP
+        sq = cuda.local.array(NA, np.int64)
+        sk = cuda.local.array(NA, np.int32)
+        lg_t = 0
+        while (1 << lg_t) < T:
+            lg_t += 1
+        S = 1
+        while S < n:
+            S *= 2
+        for a in range(NA):
+            i = tid + a * T
+            if i < n:
+                sq[a] = nq[i]
+                sk[a] = nk[i]
+            else:
+                sq[a] = pad_q
+                sk[a] = PAD_K
+        size = 2
+        while size <= S:
+            st = size // 2
+            while st > 0:
+                if st >= T:                              # partner in this thread
+                    sa = st >> lg_t
+                    for a in range(NA):                  # (a, b) constant after unrolling: registers, not a stack
+                        for b in range(a + 1, NA):
+                            i = tid + a * T
+                            if (a ^ b) != sa or i >= S:
+                                continue
+                            first = n_first(sq[a], sk[a], sq[b], sk[b])
+                            if first != ((i & size) == 0):
+                                q0, k0 = sq[a], sk[a]
+                                sq[a], sk[a] = sq[b], sk[b]
+                                sq[b], sk[b] = q0, k0
+                elif st < WARP:                          # partner in this warp
+                    for a in range(NA):
+                        i = tid + a * T
+                        if not SIM and i - lane >= S:    # the whole warp holds padding only (warp-uniform; the
+                            continue                     #   simulator twins need every thread)
+                        oq = shfl_xor(sq[a], st, buf)
+                        ok = shfl_xor(np.int64(sk[a]), st, buf)
+                        lower = (i & st) == 0
+                        mine_first = n_first(sq[a], sk[a], oq, ok)
+                        if mine_first != (lower == ((i & size) == 0)):
+                            sq[a] = oq
+                            sk[a] = np.int32(ok)
+                else:                                    # partner in another warp: through shared memory
+                    cuda.syncthreads()
+                    for a in range(NA):
+                        i = tid + a * T
+                        if i < S:
+                            nq[i] = sq[a]
+                            nk[i] = sk[a]
+                    cuda.syncthreads()
+                    for a in range(NA):
+                        i = tid + a * T
+                        if i < S:
+                            j = i ^ st
+                            oq, ok = nq[j], nk[j]
+                            mine_first = n_first(sq[a], sk[a], oq, ok)
+                            if mine_first != ((i < j) == ((i & size) == 0)):
+                                sq[a] = oq
+                                sk[a] = ok
+                st //= 2
+            size *= 2
+        cuda.syncthreads()
+        for a in range(NA):
+            i = tid + a * T
+            if i < n:
+                nq[i] = sq[a]
+                nk[i] = sk[a]
+        cuda.syncthreads()
+
+    _pair_sorts[NA] = sort
+    return sort

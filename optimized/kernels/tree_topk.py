@@ -13,7 +13,7 @@ Two launches:
                   plus the 2^-28 grid, so every token whose grid log-prob can equal the K-th largest one is in);
                   its composite key (sortable(lp) - 2^31) << 32 | (2^32 - 1 - id) -- larger is better, unique -- goes
                   to the row's candidate list. The last block of the row sorts up to DIRECT candidates whole
-                  (bitonic, shared memory); more than that, it radix-selects the K-th largest composite key (8
+                  (tree_device.pair_sort: a bitonic network in registers and shuffles); more than that, it radix-selects the K-th largest composite key (8
                   passes of 8 bits over at most CAP keys), compacts the K keys above it and sorts those. It writes lp
                   and ids. When the candidates overflow CAP (tie-heavy rows: equal,
                   integer, collapsing logits) or lo(b) is not usable (-inf, the -2^21 floor), the same select runs
@@ -30,7 +30,8 @@ import math
 import numpy as np
 from numba import cuda
 
-from .tree_device import DEVICE, KERNEL, LP_FLOOR, SIM, TBUF, block_scan, grid_log_prob, key_value, sortable_key
+from .tree_device import (DEVICE, KERNEL, LP_FLOOR, SIM, TBUF, block_scan, grid_log_prob, key_value, pair_sort,
+                          sortable_key)
 
 NB = 4096            # digit-0 histogram bins: the top 12 bits of the 32-bit sortable key
 SHIFT0 = 20          # key >> SHIFT0 is the bin
@@ -41,16 +42,19 @@ TMAX = 1024          # largest block
 RB = 256             # radix bins of the final select (8-bit digits)
 EPT = 2 if SIM else 8    # values per thread per sub-chunk (a sub-chunk is T * EPT ids)
 DIRECT = 16 if SIM else 1024   # at most this many candidates: sorted whole, no radix select
+SORT_NA = 8 if SIM else 4   # register slots per thread of the final sort: topk_threads * SORT_NA >= max(DIRECT, K)
 LOW = 0xFFFFFFFF     # composite key: high word sortable(lp) - 2^31, low word LOW - id
 NEG = -(2 ** 63)     # sorts after every composite key
-TOPK_TMAX = 256      # launch bounds: <= 256 threads, 4 blocks per SM (<= 64 registers): the grid is one wave
-TOPK_JIT = dict(KERNEL) if SIM else dict(KERNEL, launch_bounds=(TOPK_TMAX, 4))
+TOPK_T = 256         # the block on the GPU (a compile-time constant there: strided loops need no division), with
+TOPK_JIT = dict(KERNEL) if SIM else dict(KERNEL, launch_bounds=(TOPK_T, 4))   # 4 blocks per SM: one wave
+SORT_CAP = max(DIRECT, KMAX)
+sort_keys = pair_sort(SORT_NA)
 
 
 @cuda.jit(**DEVICE)
 def load_values(x, row, base, hi, vals):
     """This thread's EPT logits of the sub-chunk at `base` (clamped in-bounds; the caller masks i >= hi)."""
-    T = cuda.blockDim.x
+    T = cuda.blockDim.x if SIM else TOPK_T
     for j in range(EPT):                                    # constant trip count: unrolled
         vals[j] = x[row, min(base + j * T + cuda.threadIdx.x, hi - 1)]
 
@@ -77,7 +81,7 @@ def find_bin(bins, nbins, k, tmp, buf, shr):
     """(b, r): the bin of bins[:nbins] holding the k-th largest item (1-based, counted from the top bin) and k's
     rank inside it. Each thread sums a run of bins, one block scan finds the run, its thread the bin."""
     tid = cuda.threadIdx.x
-    T = cuda.blockDim.x
+    T = cuda.blockDim.x if SIM else TOPK_T
     per = (nbins + T - 1) // T
     local = np.int64(0)
     for q in range(tid * per, min(nbins, (tid + 1) * per)):
@@ -101,7 +105,7 @@ def find_bin(bins, nbins, k, tmp, buf, shr):
 @cuda.jit(**TOPK_JIT)
 def topk_stats(x, vocab, chunk, k, part_m, part_s, lse, hist, done, sel):
     p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
-    T = cuda.blockDim.x
+    T = cuda.blockDim.x if SIM else TOPK_T
     nparts = cuda.gridDim.x
     red_m = cuda.shared.array(TMAX, np.float64)
     red_s = cuda.shared.array(TMAX, np.float64)
@@ -182,7 +186,7 @@ def radix_select(keys, n, k, row_x, row, ls, whole, bins, tmp, buf, shr):
     """The k-th largest of n distinct int64 keys (keys[:n] in shared memory, or -- whole=True -- the composite
     keys of the whole row row_x[row, :n], recomputed per pass). 8 passes of 8 bits, most significant first."""
     tid = cuda.threadIdx.x
-    T = cuda.blockDim.x
+    T = cuda.blockDim.x if SIM else TOPK_T
     prefix = np.int64(0)        # the selected top digits of u = key ^ sign (unsigned order), 8 per pass
     kk = np.int64(k)
     for d in range(8):
@@ -202,34 +206,13 @@ def radix_select(keys, n, k, row_x, row, ls, whole, bins, tmp, buf, shr):
     return prefix ^ np.int64(NEG)
 
 
-@cuda.jit(**DEVICE)
-def bitonic_sort_desc(keys, n):
-    """Sort keys[:n] descending in place (n a power of two); every thread of the block calls it."""
-    tid = cuda.threadIdx.x
-    size = 2
-    while size <= n:
-        stride = size // 2
-        while stride > 0:
-            cuda.syncthreads()
-            for i in range(tid, n, cuda.blockDim.x):
-                j = i ^ stride
-                if j > i:
-                    a = keys[i]
-                    b = keys[j]
-                    if (a < b) == ((i & size) == 0):
-                        keys[i] = b
-                        keys[j] = a
-            stride //= 2
-        size *= 2
-    cuda.syncthreads()
-
-
 @cuda.jit(**TOPK_JIT)
 def topk_filter(x, vocab, chunk, k, lse, sel, counters, cand, top_lp, top_id):
     p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
-    T = cuda.blockDim.x
+    T = cuda.blockDim.x if SIM else TOPK_T
     nparts = cuda.gridDim.x
     keys = cuda.shared.array(CAP, np.int64)
+    comp = cuda.shared.array(SORT_CAP, np.int32)            # the sort's companions (unused: keys are distinct)
     bins = cuda.shared.array(RB, np.int32)
     tmp = cuda.shared.array(32, np.int64)
     buf = cuda.shared.array(TBUF, np.int64)
@@ -290,12 +273,7 @@ def topk_filter(x, vocab, chunk, k, lse, sel, counters, cand, top_lp, top_id):
                 front += tot
         cuda.syncthreads()
         n = np.int64(k)
-    n2 = 1
-    while n2 < n:
-        n2 *= 2
-    for i in range(n + tid, n2, T):
-        keys[i] = NEG
-    bitonic_sort_desc(keys, n2)
+    sort_keys(keys, comp, n, NEG, buf)
     for r in range(tid, k, T):
         key = keys[r]
         top_id[row, r] = np.int64(LOW) - (key & np.int64(LOW))
