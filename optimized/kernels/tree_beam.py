@@ -21,8 +21,12 @@ Algorithm (exact; G = the first B prefixes of depth <= d, sorted, in shared memo
         per parent j (batch index jl, G position pos): children r + 1 <= min(K, B/(j+1), (B-1-pos)/(jl+1))
             (that many members of G or of the batch precede the child), and, when |G| = B, only those
             before G[B-1] (binary search over r)
-        materialize the batch's children, sort them (bitonic in registers: shuffles below the warp, shared
-            memory between warps), merge with G by binary-search ranks, keep the first B
+        materialize the batch's children and order them: parent j's children are a sorted run (row j) and so
+            are the children of one rank r across parents (column r: G order is score order), and the row
+            lengths never grow along the batch (every bound above shrinks with j), so one row or one column is
+            already in order, at most RUNS_MAX rows or columns are ranked by binary searches in the other runs,
+            and anything else is sorted (tree_device.pair_sort: bitonic in registers, shuffles, shared memory);
+            merge with G by binary-search ranks, keep the first B
         new tuple ranks: scatter 1 + (kept children) onto each old member's tuple rank, exclusive scan:
             t'(g) = base[t(g)], t'((p, r)) = base[t(p)] + 1 + r
     stop when a depth admits no member. Parents of members are G indices, remapped at every merge.
@@ -32,10 +36,11 @@ from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shi
 import numpy as np
 from numba import cuda
 
-from .tree_device import DEVICE, SIM, TBUF, WARP, block_scan, pair_sort
+from .tree_device import DEVICE, SIM, TBUF, WARP, block_scan, n_first, pair_sort
 
 BMAX = 64 if SIM else 1024        # largest budget (and K)
 BMAX1 = BMAX + 1
+RUNS_MAX = 6                      # new candidates in at most this many sorted runs are ranked, not sorted
 NEW_FACTOR = 2                    # a batch holds NEW_FACTOR * C new candidates (>= 1: at least C >= budget)
 SCALE = 268435456.0               # 2^28: lp and scores as integers
 PAD_Q = -(2 ** 62)                # a padding candidate's score (real scores are > -2^53)
@@ -102,6 +107,8 @@ def _make_beam(T, GA, NA):
         sq = cuda.local.array(NA, np.int64)
         sk = cuda.local.array(NA, np.int32)
         sp = cuda.local.array(NA, np.int32)
+        sj = cuda.local.array(NA, np.int32)              # a new candidate's parent row, then its rank
+        hcol = cuda.shared.array(RUNS_MAX, np.int32)
         nxt = cuda.local.array(GA, np.float32)          # the next depth's lp, loaded one depth ahead
         depth = top_lp.shape[0]
         m = min(k, budget)
@@ -182,21 +189,91 @@ def _make_beam(T, GA, NA):
                         hi = mid - 1
                 nb = lo
                 n = off[nb]
-                for s in range(tid, n, T):               # materialize
-                    lo = 0
-                    hi = nb - 1
-                    while lo < hi:                       # last parent whose offset is <= s
-                        mid = (lo + hi + 1) // 2
-                        if off[mid] <= s:
-                            lo = mid
-                        else:
-                            hi = mid - 1
-                    r = s - off[lo]
-                    p = fr[nproc + lo]
-                    nq[s] = gq[p] + q_of(lp[r])
-                    nk[s] = ((gaux[p] & M10) << 20) | (r << 10) | p
+                for a in range(NA):                      # materialize, row-major: (parent jl, rank r)
+                    s = tid + a * T
+                    if s < n:
+                        lo = 0
+                        hi = nb - 1
+                        while lo < hi:                   # last parent whose offset is <= s
+                            mid = (lo + hi + 1) // 2
+                            if off[mid] <= s:
+                                lo = mid
+                            else:
+                                hi = mid - 1
+                        r = s - off[lo]
+                        p = fr[nproc + lo]
+                        sq[a] = gq[p] + q_of(lp[r])
+                        sk[a] = ((gaux[p] & M10) << 20) | (r << 10) | p
+                        nq[s] = sq[a]
+                        nk[s] = sk[a]
+                        sj[a] = lo
                 cuda.syncthreads()
-                sort_new(nq, nk, n, PAD_Q, buf)
+                c0 = off[1] - off[0]                     # the longest row (counts never grow along the batch)
+                if nb > 1 and c0 > 1:                    # else one row or one column: already in order
+                    if min(nb, c0) > RUNS_MAX:
+                        sort_new(nq, nk, n, PAD_Q, buf)
+                    else:                                # few sorted runs: rank = sum of counts in the others
+                        by_rows = nb <= c0
+                        if not by_rows and tid < c0:     # column r holds rows [0, h[r])
+                            lo = 0
+                            hi = nb
+                            while lo < hi:
+                                mid = (lo + hi) // 2
+                                if off[mid + 1] - off[mid] > tid:
+                                    lo = mid + 1
+                                else:
+                                    hi = mid
+                            hcol[tid] = lo
+                        cuda.syncthreads()
+                        for a in range(NA):
+                            s = tid + a * T
+                            if s < n:
+                                qx = sq[a]
+                                kx = sk[a]
+                                jl = sj[a]
+                                r = (kx >> 10) & M10
+                                rank = 0
+                                if by_rows:
+                                    for j2 in range(nb):
+                                        if j2 == jl:
+                                            rank += r
+                                            continue
+                                        p2 = fr[nproc + j2]
+                                        q2 = gq[p2]
+                                        k2 = ((gaux[p2] & M10) << 20) | p2
+                                        lo = 0
+                                        hi = off[j2 + 1] - off[j2]
+                                        while lo < hi:
+                                            mid = (lo + hi) // 2
+                                            if n_first(q2 + q_of(lp[mid]), k2 | (mid << 10), qx, kx):
+                                                lo = mid + 1
+                                            else:
+                                                hi = mid
+                                        rank += lo
+                                else:
+                                    for r2 in range(c0):
+                                        if r2 == r:
+                                            rank += jl
+                                            continue
+                                        lq = q_of(lp[r2])
+                                        lo = 0
+                                        hi = hcol[r2]
+                                        while lo < hi:
+                                            mid = (lo + hi) // 2
+                                            p2 = fr[nproc + mid]
+                                            if n_first(gq[p2] + lq, ((gaux[p2] & M10) << 20) | (r2 << 10) | p2,
+                                                       qx, kx):
+                                                lo = mid + 1
+                                            else:
+                                                hi = mid
+                                        rank += lo
+                                sj[a] = rank
+                        cuda.syncthreads()
+                        for a in range(NA):
+                            if tid + a * T < n:
+                                nq[sj[a]] = sq[a]
+                                nk[sj[a]] = sk[a]
+                        cuda.syncthreads()
                 for a in range(GA):                      # merge: G members move down by the new before them
                     i = tid + a * T
                     if i < m:

@@ -30,15 +30,14 @@ import math
 import numpy as np
 from numba import cuda
 
-from .tree_device import (DEVICE, KERNEL, LP_FLOOR, SIM, TBUF, block_scan, grid_log_prob, key_value, pair_sort,
-                          sortable_key)
+from .tree_device import (DEVICE, KERNEL, LP_FLOOR, SIM, TBUF, WARP, block_scan, grid_log_prob, key_value,
+                          pair_sort, shfl_xor, sortable_key)
 
 NB = 4096            # digit-0 histogram bins: the top 12 bits of the 32-bit sortable key
 SHIFT0 = 20          # key >> SHIFT0 is the bin
 KMAX = 1024          # largest K (the budget limit)
 CAP = 64 if SIM else 4096   # candidates selected in shared memory (more: the whole-row path)
 PMAX = 128           # most chunks per row
-TMAX = 1024          # largest block
 RB = 256             # radix bins of the final select (8-bit digits)
 EPT = 2 if SIM else 8    # values per thread per sub-chunk (a sub-chunk is T * EPT ids)
 DIRECT = 16 if SIM else 1024   # at most this many candidates: sorted whole, no radix select
@@ -66,14 +65,39 @@ def composite(x, i, ls):
 
 
 @cuda.jit(**DEVICE)
-def merge_ms(red_m, red_s, a, b):
-    """Slot a of the (max, sum exp(x - max)) pairs absorbs slot b (a slot of max -inf holds nothing)."""
-    ma, mb = red_m[a], red_m[b]
-    mm = max(ma, mb)
-    sa = red_s[a] * math.exp(ma - mm) if ma > -math.inf else 0.0
-    sb = red_s[b] * math.exp(mb - mm) if mb > -math.inf else 0.0
-    red_m[a] = mm
-    red_s[a] = sa + sb
+def block_max_sum(m, s, wm, ws, fbuf):
+    """(M, S) on every thread: M = the block's largest m, S = the sum of s * exp(m - M) over the threads (0 where m
+    is -inf). The same bits on every run: a fixed summation order (warp butterflies, whose partners add the same two
+    values, then the warps in order), so the result does not depend on timing. wm, ws: shared float64[WARP];
+    fbuf: the simulator twins' float64 scratch. Every thread calls it."""
+    tid = cuda.threadIdx.x
+    T = cuda.blockDim.x if SIM else TOPK_T
+    lane = tid % WARP
+    warp = tid // WARP
+    x = m
+    off = 1
+    while off < WARP:
+        x = max(x, shfl_xor(x, off, fbuf))
+        off *= 2
+    if lane == 0:
+        wm[warp] = x
+    cuda.syncthreads()
+    mm = wm[0]
+    for w in range(1, T // WARP):
+        mm = max(mm, wm[w])
+    v = s * math.exp(m - mm) if m > -math.inf else 0.0
+    off = 1
+    while off < WARP:
+        v += shfl_xor(v, off, fbuf)
+        off *= 2
+    if lane == 0:
+        ws[warp] = v
+    cuda.syncthreads()
+    total = 0.0
+    for w in range(T // WARP):
+        total += ws[w]
+    cuda.syncthreads()                           # wm, ws free again
+    return mm, total
 
 
 @cuda.jit(**DEVICE)
@@ -107,8 +131,9 @@ def topk_stats(x, vocab, chunk, k, part_m, part_s, lse, hist, done, sel):
     p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
     T = cuda.blockDim.x if SIM else TOPK_T
     nparts = cuda.gridDim.x
-    red_m = cuda.shared.array(TMAX, np.float64)
-    red_s = cuda.shared.array(TMAX, np.float64)
+    wm = cuda.shared.array(WARP, np.float64)
+    ws = cuda.shared.array(WARP, np.float64)
+    fbuf = cuda.shared.array(TBUF, np.float64)
     sh = cuda.shared.array(NB, np.int32)
     tmp = cuda.shared.array(32, np.int64)
     buf = cuda.shared.array(TBUF, np.int64)
@@ -136,41 +161,34 @@ def topk_stats(x, vocab, chunk, k, part_m, part_s, lse, hist, done, sel):
                 if base + j * T + tid < hi:
                     s += math.exp(np.float64(vals[j]) - mn)     # exp(-inf) = 0 for masked tokens
             m = mn
-    red_m[tid] = m
-    red_s[tid] = s
-    h = T // 2
-    while h > 0:                                 # fixed pairing: the bits do not depend on timing
-        cuda.syncthreads()
-        if tid < h:
-            merge_ms(red_m, red_s, tid, tid + h)
-        h //= 2
+    bm, bs = block_max_sum(m, s, wm, ws, fbuf)
     for i in range(tid, NB, T):
         c = sh[i]
         if c != 0:
             cuda.atomic.add(hist, (row, i), c)
     cuda.syncthreads()
     if tid == 0:
-        part_m[row, p] = red_m[0]
-        part_s[row, p] = red_s[0]
+        part_m[row, p] = bm
+        part_s[row, p] = bs
         cuda.threadfence()
         flag[0] = 1 if cuda.atomic.add(done, row, 1) == nparts - 1 else 0
     cuda.syncthreads()
     if flag[0] == 0:
         return
-    # Last block of the row: lse over PMAX fixed slots in a fixed pairing (independent of which block came last)
+    # Last block of the row: lse over the chunks, each thread folding its slots in order, then block_max_sum (the
+    # bits do not depend on which block came last)
     cuda.threadfence()
-    for q in range(tid, PMAX, T):
-        red_m[q] = part_m[row, q] if q < nparts else -math.inf
-        red_s[q] = part_s[row, q] if q < nparts else 0.0
-    h = PMAX // 2
-    while h > 0:
-        cuda.syncthreads()
-        for q in range(tid, h, T):
-            merge_ms(red_m, red_s, q, q + h)
-        h //= 2
-    cuda.syncthreads()
+    m = -math.inf
+    s = 0.0
+    for q in range(tid, nparts, T):
+        mq = part_m[row, q]
+        mn = max(m, mq)
+        if mn > -math.inf:
+            s = (s * math.exp(m - mn) if m > -math.inf else 0.0) + part_s[row, q] * math.exp(mq - mn)
+            m = mn
+    bm, bs = block_max_sum(m, s, wm, ws, fbuf)
     if tid == 0:
-        lse[row] = red_m[0] + math.log(red_s[0])
+        lse[row] = bm + math.log(bs)
         done[row] = 0
     b, kr = find_bin(hist[row], NB, k, tmp, buf, shr)
     if tid == 0:
