@@ -140,6 +140,7 @@ def topk_stats(x, vocab, chunk, k, part_m, part_s, lse, hist, done, sel):
     flag = cuda.shared.array(1, np.int32)
     shr = cuda.shared.array(2, np.int64)
     vals = cuda.local.array(EPT, np.float32)
+    nxt = cuda.local.array(EPT, np.float32)
     for i in range(tid, NB, T):
         sh[i] = 0
     cuda.syncthreads()
@@ -147,8 +148,13 @@ def topk_stats(x, vocab, chunk, k, part_m, part_s, lse, hist, done, sel):
     hi = min(vocab, lo + chunk)
     m = -math.inf
     s = 0.0
+    if lo < hi:
+        load_values(x, row, lo, hi, nxt)
     for base in range(lo, hi, T * EPT):
-        load_values(x, row, base, hi, vals)
+        for j in range(EPT):                     # this sub-chunk; the next one's loads go out before its work
+            vals[j] = nxt[j]
+        if base + T * EPT < hi:
+            load_values(x, row, base + T * EPT, hi, nxt)
         mt = np.float32(-math.inf)
         for j in range(EPT):
             if base + j * T + tid < hi:
@@ -236,6 +242,7 @@ def topk_filter(x, vocab, chunk, k, lse, sel, counters, cand, top_lp, top_id):
     buf = cuda.shared.array(TBUF, np.int64)
     shr = cuda.shared.array(2, np.int64)
     vals = cuda.local.array(EPT, np.float32)
+    nxt = cuda.local.array(EPT, np.float32)
     ls = lse[row]
     lo_x = key_value(sel[row, 0] << SHIFT0)                     # smallest value of bin b
     lo_lp = grid_log_prob(lo_x, ls)
@@ -244,8 +251,13 @@ def topk_filter(x, vocab, chunk, k, lse, sel, counters, cand, top_lp, top_id):
     if not whole:
         lo = p * chunk
         hi = min(vocab, lo + chunk)
+        if lo < hi:
+            load_values(x, row, lo, hi, nxt)
         for base in range(lo, hi, T * EPT):
-            load_values(x, row, base, hi, vals)
+            for j in range(EPT):
+                vals[j] = nxt[j]
+            if base + T * EPT < hi:
+                load_values(x, row, base + T * EPT, hi, nxt)
             for j in range(EPT):
                 i = base + j * T + tid
                 if i < hi and np.float64(vals[j]) >= cut:
