@@ -34,6 +34,7 @@ from .tree_device import (DEVICE, KERNEL, LP_FLOOR, SIM, TBUF, WARP, block_scan,
                           pair_sort, shfl_xor, sortable_key)
 
 NB = 4096            # digit-0 histogram bins: the top 12 bits of the 32-bit sortable key
+NB1 = NB + 1
 SHIFT0 = 20          # key >> SHIFT0 is the bin
 KMAX = 1024          # largest K (the budget limit)
 CAP = 64 if SIM else 4096   # candidates selected in shared memory (more: the whole-row path)
@@ -51,11 +52,13 @@ sort_keys = pair_sort(SORT_NA)
 
 
 @cuda.jit(**DEVICE)
-def load_values(x, row, base, hi, vals):
-    """This thread's EPT logits of the sub-chunk at `base` (clamped in-bounds; the caller masks i >= hi)."""
+def load_values(xr, base, lim, vals):
+    """This thread's EPT logits of the sub-chunk at `base` of the row xr: vals[j] = xr[base + j * T + tid] where
+    j * T + tid < lim, else -inf (padding: no max, no exp, no candidate). Unsigned indices: no wraparound code."""
     T = cuda.blockDim.x if SIM else TOPK_T
     for j in range(EPT):                                    # constant trip count: unrolled
-        vals[j] = x[row, min(base + j * T + cuda.threadIdx.x, hi - 1)]
+        o = j * T + cuda.threadIdx.x
+        vals[j] = xr[np.uint32(base + o)] if o < lim else np.float32(-math.inf)
 
 
 @cuda.jit(**DEVICE)
@@ -134,38 +137,39 @@ def topk_stats(x, vocab, chunk, k, part_m, part_s, lse, hist, done, sel):
     wm = cuda.shared.array(WARP, np.float64)
     ws = cuda.shared.array(WARP, np.float64)
     fbuf = cuda.shared.array(TBUF, np.float64)
-    sh = cuda.shared.array(NB, np.int32)
+    sh = cuda.shared.array(NB1, np.int32)          # NB bins and a spare one for padding
     tmp = cuda.shared.array(32, np.int64)
     buf = cuda.shared.array(TBUF, np.int64)
     flag = cuda.shared.array(1, np.int32)
     shr = cuda.shared.array(2, np.int64)
     vals = cuda.local.array(EPT, np.float32)
     nxt = cuda.local.array(EPT, np.float32)
-    for i in range(tid, NB, T):
+    for i in range(tid, NB1, T):
         sh[i] = 0
     cuda.syncthreads()
+    xr = x[row]
     lo = p * chunk
     hi = min(vocab, lo + chunk)
     m = -math.inf
     s = 0.0
     if lo < hi:
-        load_values(x, row, lo, hi, nxt)
+        load_values(xr, lo, hi - lo, nxt)
     for base in range(lo, hi, T * EPT):
+        lim = hi - base
         for j in range(EPT):                     # this sub-chunk; the next one's loads go out before its work
             vals[j] = nxt[j]
-        if base + T * EPT < hi:
-            load_values(x, row, base + T * EPT, hi, nxt)
+        if T * EPT < lim:
+            load_values(xr, base + T * EPT, lim - T * EPT, nxt)
         mt = np.float32(-math.inf)
-        for j in range(EPT):
-            if base + j * T + tid < hi:
-                mt = max(mt, vals[j])
-                cuda.atomic.add(sh, sortable_key(vals[j]) >> SHIFT0, 1)
+        for j in range(EPT):                     # padding counts in the spare bin NB (a masked token, -inf, is real)
+            mt = max(mt, vals[j])
+            b = np.uint32(sortable_key(vals[j]) >> SHIFT0) if j * T + tid < lim else np.uint32(NB)
+            cuda.atomic.add(sh, b, 1)
         mn = max(m, np.float64(mt))
         if mn > -math.inf:
             s *= math.exp(m - mn) if m > -math.inf else 0.0
             for j in range(EPT):
-                if base + j * T + tid < hi:
-                    s += math.exp(np.float64(vals[j]) - mn)     # exp(-inf) = 0 for masked tokens
+                s += math.exp(np.float64(vals[j]) - mn)         # exp(-inf) = 0: masked tokens and padding
             m = mn
     bm, bs = block_max_sum(m, s, wm, ws, fbuf)
     for i in range(tid, NB, T):
@@ -249,18 +253,20 @@ def topk_filter(x, vocab, chunk, k, lse, sel, counters, cand, top_lp, top_id):
     whole = sel[row, 1] > CAP or not (lo_lp > LP_FLOOR) or not (abs(lo_x) < math.inf)
     cut = np.float64(lo_x) - (abs(np.float64(lo_x) - ls) + 1.0) * 4.76837158203125e-07   # 2^-21 band
     if not whole:
+        xr = x[row]
         lo = p * chunk
         hi = min(vocab, lo + chunk)
         if lo < hi:
-            load_values(x, row, lo, hi, nxt)
+            load_values(xr, lo, hi - lo, nxt)
         for base in range(lo, hi, T * EPT):
+            lim = hi - base
             for j in range(EPT):
                 vals[j] = nxt[j]
-            if base + T * EPT < hi:
-                load_values(x, row, base + T * EPT, hi, nxt)
+            if T * EPT < lim:
+                load_values(xr, base + T * EPT, lim - T * EPT, nxt)
             for j in range(EPT):
                 i = base + j * T + tid
-                if i < hi and np.float64(vals[j]) >= cut:
+                if np.float64(vals[j]) >= cut:           # padding is -inf, cut is finite
                     slot = cuda.atomic.add(counters, (row, 0), 1)
                     if slot < CAP:
                         cand[row, slot] = composite(vals[j], i, ls)
