@@ -10,6 +10,7 @@ Two backends, and every test asserts which one ran:
   - a real GPU (`gpu` marker): the same checks at full shapes (V = 163,840, L = 7 and 15, budgets to 1024),
     plus the speed check against the reference path measured in the same run.
 """
+import math
 import os
 import subprocess
 import sys
@@ -292,6 +293,26 @@ def test_sim_compile_follow_commit(sim, kind, depth, vocab, budget):
         check_follow_and_commit(sim, tree, seed)
     by_tensor = sim.compile_tree(tree, torch.tensor([9]), 4)     # the engine's form: the root on the device
     assert torch.equal(by_tensor.ids, sim.compile_tree(tree, 9, 4).ids)
+
+
+@sim_only
+def test_sim_exp_le0_accuracy():
+    """The top-K's fp64 exp (tree_device.exp_le0, same code on the GPU) against 50-digit decimals: within 2 ulp
+    (4.5e-16 relative) over [-700, 0], exactly 1 at 0 and 0 below -700 (also -inf: masked tokens, padding)."""
+    import decimal
+    from optimized.kernels.tree_device import EXP_TAB, exp_le0
+    decimal.getcontext().prec = 50
+    g = torch.Generator().manual_seed(5)
+    ds = torch.cat([-torch.rand(3000, generator=g, dtype=torch.float64) * 700,
+                    -torch.rand(3000, generator=g, dtype=torch.float64) * 3,
+                    torch.tensor([-0.0, -1e-300, -0.5 * math.log(2) / 64, -math.log(2) / 64, -699.99])]).tolist()
+    worst = 0.0
+    for d in ds:
+        want = float(decimal.Decimal(d).exp())
+        worst = max(worst, abs(exp_le0(d, EXP_TAB) - want) / want)
+    assert worst <= 4.5e-16, worst
+    assert exp_le0(0.0, EXP_TAB) == 1.0
+    assert exp_le0(-700.5, EXP_TAB) == 0.0 and exp_le0(-math.inf, EXP_TAB) == 0.0
 
 
 @sim_only

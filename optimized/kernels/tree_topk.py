@@ -4,20 +4,21 @@
 Launch geometry: grid (P chunks, L rows), T threads per block; a chunk is C consecutive token ids of one row,
 read in sub-chunks of T * EPT (each thread loads its EPT values unrolled, so the loads are in flight together).
 Two launches:
-    topk_stats    per chunk: max and sum exp(x - max) in fp64 (online per sub-chunk: one exp per element plus
-                  one per sub-chunk), and a 4096-bin histogram of the top 12 bits of each logit's sortable key.
-                  The last block of the row (atomic counter) combines the chunks in a fixed order into lse[row]
-                  (deterministic), finds the bucket b holding the K-th largest logit, and zeroes the row's
-                  histogram for the next call.
+    topk_stats    per chunk: max and sum exp(x - max) in fp64 (online per sub-chunk: one exp per element, by
+                  tree_device.exp_le0, plus one per sub-chunk), and a 4096-bin histogram of the top 12 bits of each
+                  logit's sortable key. The last block of the row (atomic counter) combines the chunks in a fixed
+                  order into lse[row] (deterministic), finds the bucket b holding the K-th largest logit, and zeroes
+                  the row's histogram for the next call.
     topk_filter   per chunk: every token with x >= lo(b) - band is a candidate (band: a few fp32 ulps of |x - lse|
                   plus the 2^-28 grid, so every token whose grid log-prob can equal the K-th largest one is in);
                   its composite key (sortable(lp) - 2^31) << 32 | (2^32 - 1 - id) -- larger is better, unique -- goes
                   to the row's candidate list. The last block of the row sorts up to DIRECT candidates whole
-                  (tree_device.pair_sort: a bitonic network in registers and shuffles); more than that, it radix-selects the K-th largest composite key (8
-                  passes of 8 bits over at most CAP keys), compacts the K keys above it and sorts those. It writes lp
-                  and ids. When the candidates overflow CAP (tie-heavy rows: equal,
-                  integer, collapsing logits) or lo(b) is not usable (-inf, the -2^21 floor), the same select runs
-                  over the whole row, recomputing each token's key per pass (exact, slow, tie-heavy rows only).
+                  (tree_device.pair_sort: a bitonic network in registers and shuffles); more than that, it
+                  radix-selects the K-th largest composite key (8 passes of 8 bits over at most CAP keys), compacts
+                  the K keys above it and sorts those. It writes lp and ids. When the candidates overflow CAP
+                  (tie-heavy rows: equal, integer, collapsing logits) or lo(b) is not usable (-inf, the -2^21
+                  floor), the same select runs over the whole row, recomputing each token's key per pass (exact,
+                  slow, tie-heavy rows only).
 Exactness: lp(x) = grid(fp32(x - lse)) is non-decreasing in x, so every token with lp >= lp_K (lp_K the
 log-prob of the K-th largest logit x_K >= lo(b)) has x >= lo(b) - band; the candidates therefore hold the top K.
 Napkin: V = 163,840, L = 15: the logits are 9.8 MB (read from HBM once, then from the 60 MB L2 once), 2.5 M fp64
@@ -30,8 +31,8 @@ import math
 import numpy as np
 from numba import cuda
 
-from .tree_device import (DEVICE, KERNEL, LP_FLOOR, SIM, TBUF, WARP, block_scan, grid_log_prob, key_value,
-                          pair_sort, shfl_xor, sortable_key)
+from .tree_device import (DEVICE, EXP_TAB, KERNEL, LP_FLOOR, SIM, TBUF, WARP, block_scan, exp_le0, grid_log_prob,
+                          key_value, pair_sort, shfl_xor, sortable_key)
 
 NB = 4096            # digit-0 histogram bins: the top 12 bits of the 32-bit sortable key
 NB1 = NB + 1
@@ -138,6 +139,7 @@ def topk_stats(x, vocab, chunk, k, part_m, part_s, lse, hist, done, sel):
     ws = cuda.shared.array(WARP, np.float64)
     fbuf = cuda.shared.array(TBUF, np.float64)
     sh = cuda.shared.array(NB1, np.int32)          # NB bins and a spare one for padding
+    tab = cuda.shared.array(64, np.float64)        # exp_le0's 2^(j/64)
     tmp = cuda.shared.array(32, np.int64)
     buf = cuda.shared.array(TBUF, np.int64)
     flag = cuda.shared.array(1, np.int32)
@@ -146,6 +148,9 @@ def topk_stats(x, vocab, chunk, k, part_m, part_s, lse, hist, done, sel):
     nxt = cuda.local.array(EPT, np.float32)
     for i in range(tid, NB1, T):
         sh[i] = 0
+    ctab = cuda.const.array_like(EXP_TAB)
+    for i in range(tid, 64, T):
+        tab[i] = ctab[i]
     cuda.syncthreads()
     xr = x[row]
     lo = p * chunk
@@ -169,7 +174,7 @@ def topk_stats(x, vocab, chunk, k, part_m, part_s, lse, hist, done, sel):
         if mn > -math.inf:
             s *= math.exp(m - mn) if m > -math.inf else 0.0
             for j in range(EPT):
-                s += math.exp(np.float64(vals[j]) - mn)         # exp(-inf) = 0: masked tokens and padding
+                s += exp_le0(np.float64(vals[j]) - mn, tab)     # 0 for -inf: masked tokens and padding
             m = mn
     bm, bs = block_max_sum(m, s, wm, ws, fbuf)
     for i in range(tid, NB, T):
