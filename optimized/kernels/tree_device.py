@@ -201,15 +201,16 @@ def n_first(qa, ka, qb, kb):
 _pair_sorts: dict = {}
 
 
-def pair_sort(NA):
+def pair_sort(NA, keyed=True):
     """Device function sort(nq, nk, n, pad_q, buf): sorts the pairs (nq int64, nk int32)[:n] in shared memory in
     place by (q descending, k ascending), for blocks of T threads with T * NA >= S, S the power of two >= n. Every
     thread of the block calls it. A bitonic network over S: element i is held by thread i % T in register slot
     i // T; stages whose partner is in the same thread swap registers, partners in the same warp exchange through
     shuffles (warps holding padding only skip them), others through shared memory (two barriers). Padding is
-    (pad_q, PAD_K): pad_q must sort after every real q. buf: the simulator twins' scratch."""
-    if NA in _pair_sorts:
-        return _pair_sorts[NA]
+    (pad_q, PAD_K): pad_q must sort after every real q. buf: the simulator twins' scratch. keyed=False: distinct
+    q only, nk is neither read nor written (the shuffles move q alone)."""
+    if (NA, keyed) in _pair_sorts:
+        return _pair_sorts[(NA, keyed)]
 
     @cuda.jit(**DEVICE)
     def sort(nq, nk, n, pad_q, buf):
@@ -228,10 +229,10 @@ def pair_sort(NA):
             i = tid + a * T
             if i < n:
                 sq[a] = nq[i]
-                sk[a] = nk[i]
+                sk[a] = nk[i] if keyed else 0
             else:
                 sq[a] = pad_q
-                sk[a] = PAD_K
+                sk[a] = PAD_K if keyed else 0
         size = 2
         while size <= S:
             st = size // 2
@@ -254,7 +255,7 @@ def pair_sort(NA):
                         if not SIM and i - lane >= S:    # the whole warp holds padding only (warp-uniform; the
                             continue                     #   simulator twins need every thread)
                         oq = shfl_xor(sq[a], st, buf)
-                        ok = shfl_xor(np.int64(sk[a]), st, buf)
+                        ok = shfl_xor(np.int64(sk[a]), st, buf) if keyed else np.int64(0)
                         lower = (i & st) == 0
                         mine_first = n_first(sq[a], sk[a], oq, ok)
                         if mine_first != (lower == ((i & size) == 0)):
@@ -266,13 +267,15 @@ def pair_sort(NA):
                         i = tid + a * T
                         if i < S:
                             nq[i] = sq[a]
-                            nk[i] = sk[a]
+                            if keyed:
+                                nk[i] = sk[a]
                     cuda.syncthreads()
                     for a in range(NA):
                         i = tid + a * T
                         if i < S:
                             j = i ^ st
-                            oq, ok = nq[j], nk[j]
+                            oq = nq[j]
+                            ok = nk[j] if keyed else 0
                             mine_first = n_first(sq[a], sk[a], oq, ok)
                             if mine_first != ((i < j) == ((i & size) == 0)):
                                 sq[a] = oq
@@ -284,8 +287,9 @@ def pair_sort(NA):
             i = tid + a * T
             if i < n:
                 nq[i] = sq[a]
-                nk[i] = sk[a]
+                if keyed:
+                    nk[i] = sk[a]
         cuda.syncthreads()
 
-    _pair_sorts[NA] = sort
+    _pair_sorts[(NA, keyed)] = sort
     return sort

@@ -48,8 +48,7 @@ LOW = 0xFFFFFFFF     # composite key: high word sortable(lp) - 2^31, low word LO
 NEG = -(2 ** 63)     # sorts after every composite key
 TOPK_T = 256         # the block on the GPU (a compile-time constant there: strided loops need no division), with
 TOPK_JIT = dict(KERNEL) if SIM else dict(KERNEL, launch_bounds=(TOPK_T, 4))   # 4 blocks per SM: one wave
-SORT_CAP = max(DIRECT, KMAX)
-sort_keys = pair_sort(SORT_NA)
+sort_keys = pair_sort(SORT_NA, keyed=False)   # composite keys are distinct
 
 
 @cuda.jit(**DEVICE)
@@ -245,7 +244,7 @@ def topk_filter(x, vocab, chunk, k, lse, sel, counters, cand, top_lp, top_id):
     T = cuda.blockDim.x if SIM else TOPK_T
     nparts = cuda.gridDim.x
     keys = cuda.shared.array(CAP, np.int64)
-    comp = cuda.shared.array(SORT_CAP, np.int32)            # the sort's companions (unused: keys are distinct)
+    comp = cuda.shared.array(1, np.int32)                   # the sort's companions: unused (keyed=False)
     bins = cuda.shared.array(RB, np.int32)
     tmp = cuda.shared.array(32, np.int64)
     buf = cuda.shared.array(TBUF, np.int64)
