@@ -380,13 +380,45 @@ def test_gpu_compile_follow_commit(gpu, budget):
         check_follow_and_commit(gpu, tree, seed)
 
 
+GOAL_NOT_MET = ("issue 5 goal not met on the H200 (2026-12-03, fec7ca0, bench/results/tree_run10): 47-175 us at "
+                "L = 15, budget <= 256 (goal 40); 110-342 us at budget 1024 (goal 100); bench/results/tree_2026-12-02.md")
+NOMINAL_BW = 4.24e12    # the H200's measured copy bandwidth (GPU.md), against which the goal's times are set
+
+
+AT_EDGE = ("at the goal's edge on the H200 (2026-12-03): 40.3 us = 36.6x the floor of the allowed 37.0x (passed), "
+           "40.6 us in the bench run of fec7ca0 (bench/results/tree_run10)")
+
+
+@pytest.mark.gpu
+@pytest.mark.speed
+@pytest.mark.parametrize("depth, budget, kind", [
+    pytest.param(7, 16, "normal", marks=pytest.mark.xfail(reason=AT_EDGE, strict=False)),
+    pytest.param(15, 256, "draftlike", marks=pytest.mark.xfail(reason=GOAL_NOT_MET, strict=False)),
+    pytest.param(15, 1024, "draftlike", marks=pytest.mark.xfail(reason=GOAL_NOT_MET, strict=False))])
+def test_gpu_speed_goal(gpu, depth, budget, kind):
+    """The issue's goal (<= 40 us at budget <= 256, <= 100 us at 1024, on one H200) as a ratio to the floor measured
+    in this run: reading the logits once at the copy bandwidth of this GPU (bytes read + written per second of a
+    1 GiB device copy). The allowed ratio is the goal's time over the floor at the H200's 4.24 TB/s."""
+    x = logits(kind, depth, FULL_V, depth * 7 + budget, device="cuda")
+    a = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
+    b = torch.empty_like(a)
+    bandwidth = 2 * a.numel() * 4 / event_median(lambda: b.copy_(a), warmup=3, reps=20)
+    nbytes = x.numel() * 4
+    allowed = (40e-6 if budget <= 256 else 100e-6) / (nbytes / NOMINAL_BW)
+    ours = event_median(device_path(gpu, x, budget), ahead=True)
+    ratio = ours / (nbytes / bandwidth)
+    print(f"L={depth} B={budget} {kind}: {ours * 1e6:.1f} us = {ratio:.1f}x the floor at {bandwidth / 1e12:.2f} TB/s "
+          f"(allowed {allowed:.1f}x)")
+    assert ratio <= allowed, f"{ours * 1e6:.1f} us = {ratio:.1f}x the floor, goal <= {allowed:.1f}x"
+
+
 @pytest.mark.gpu
 @pytest.mark.speed
 @pytest.mark.parametrize("budget", [64, 1024])
 def test_gpu_speed_vs_reference_path(gpu, budget):
-    """Speed target as a ratio measured in this run, never an absolute time: the device path (logits ->
-    compiled tree, device execution time) against the reference path on the same device logits (torch sort +
-    host heap + copies). The issue's goal (<= 40 us at B <= 256, <= 100 us at 1024, vs ~1-3 ms) is >= 10x."""
+    """Regression check (not the issue's goal: test_gpu_speed_goal is): the device path (logits -> compiled tree,
+    device execution time) stays >= 10x faster than the reference path on the same device logits (torch sort +
+    host heap + copies), measured in this run; it measures 24-97x (bench/results/tree_run10)."""
     x = logits("normal", 15, FULL_V, 0, device="cuda")
     ours = event_median(device_path(gpu, x, budget), ahead=True)       # device execution
     theirs = reference_path_time(x, budget)
