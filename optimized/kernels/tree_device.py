@@ -213,6 +213,17 @@ def pair_sort(NA, keyed=True):
         return _pair_sorts[(NA, keyed)]
 
     @cuda.jit(**DEVICE)
+    def store(nq, nk, sq, sk, lim):
+        """This thread's register slots with element index < lim back to shared memory."""
+        T = cuda.blockDim.x
+        for a in range(NA):
+            i = cuda.threadIdx.x + a * T
+            if i < lim:
+                nq[i] = sq[a]
+                if keyed:
+                    nk[i] = sk[a]
+
+    @cuda.jit(**DEVICE)
     def sort(nq, nk, n, pad_q, buf):
         tid = cuda.threadIdx.x
         T = cuda.blockDim.x
@@ -263,12 +274,7 @@ def pair_sort(NA, keyed=True):
                             sk[a] = np.int32(ok)
                 else:                                    # partner in another warp: through shared memory
                     cuda.syncthreads()
-                    for a in range(NA):
-                        i = tid + a * T
-                        if i < S:
-                            nq[i] = sq[a]
-                            if keyed:
-                                nk[i] = sk[a]
+                    store(nq, nk, sq, sk, S)
                     cuda.syncthreads()
                     for a in range(NA):
                         i = tid + a * T
@@ -283,12 +289,7 @@ def pair_sort(NA, keyed=True):
                 st //= 2
             size *= 2
         cuda.syncthreads()
-        for a in range(NA):
-            i = tid + a * T
-            if i < n:
-                nq[i] = sq[a]
-                if keyed:
-                    nk[i] = sk[a]
+        store(nq, nk, sq, sk, n)
         cuda.syncthreads()
 
     _pair_sorts[(NA, keyed)] = sort
