@@ -12,7 +12,7 @@ Times (CUDA events, warm-up, median of 100; extra_info, microseconds):
   graph_us   one replay of the path captured in a CUDA graph (graph_error says why when capture fails)
   reference_us, ratio_* = reference / ours; goal_us: <= 40 us at budget <= 256, <= 100 us at 1024.
 Floor: reading the fp32 logits once is 9.8 MB / 4.24 TB/s = 2.3 us at L = 15 (1.1 us at L = 7); the path is
-latency bound (seven dependent launches and one single-block selection), not bandwidth bound.
+latency bound (four dependent launches: two top-K passes, the single-block beam, compile), not bandwidth bound.
 
     pytest bench/test_bench_tree.py --benchmark-only --benchmark-json=out.json     (DDTREE_BENCH_OUT=dir also
     writes tree_<date>.json and .md there)

@@ -284,6 +284,21 @@ def test_sim_beam_batches_and_whole_row_select(sim, monkeypatch):
 
 
 @sim_only
+@pytest.mark.parametrize("runs_max", [1, 1000])
+def test_sim_beam_orders_new_candidates_by_sort_and_by_rank(sim, monkeypatch, runs_max):
+    """Both ways the beam orders a batch of new candidates give the reference tree on their own: RUNS_MAX = 1
+    sorts every batch that is not one row or one column (pair_sort), RUNS_MAX = 1000 ranks every batch by binary
+    searches in its runs (rows or columns, whichever are fewer)."""
+    from optimized.kernels import tree_beam
+    monkeypatch.setattr(tree_beam, "RUNS_MAX", runs_max)
+    for kind, depth, vocab, budget, seed in (("normal", 3, 16, 20, 4), ("equal", 3, 6, 20, 0), ("peaked", 4, 5, 12, 1),
+                                              ("integer", 3, 9, 20, 2), ("normal", 2, 16, 16, 5)):
+        x = logits(kind, depth, vocab, seed)
+        got = sim.build_tree(x, budget, config=sim.Config(8, 64, 8, 8), check_values=True)
+        assert_same_tree(got, ref.build_tree(x, budget), f"{kind} RUNS_MAX={runs_max}")
+
+
+@sim_only
 @pytest.mark.parametrize("kind, depth, vocab, budget", [("normal", 3, 8, 10), ("peaked", 4, 3, 9),
                                                         ("equal", 2, 4, 20), ("normal", 1, 40, 33)])
 def test_sim_compile_follow_commit(sim, kind, depth, vocab, budget):

@@ -214,16 +214,17 @@ def _make_beam(T, GA, NA):
                         sort_new(nq, nk, n, PAD_Q, buf)
                     else:                                # few sorted runs: rank = sum of counts in the others
                         by_rows = nb <= c0
-                        if not by_rows and tid < c0:     # column r holds rows [0, h[r])
-                            lo = 0
-                            hi = nb
-                            while lo < hi:
-                                mid = (lo + hi) // 2
-                                if off[mid + 1] - off[mid] > tid:
-                                    lo = mid + 1
-                                else:
-                                    hi = mid
-                            hcol[tid] = lo
+                        if not by_rows:                  # column r holds rows [0, h[r])
+                            for r in range(tid, c0, T):
+                                lo = 0
+                                hi = nb
+                                while lo < hi:
+                                    mid = (lo + hi) // 2
+                                    if off[mid + 1] - off[mid] > r:
+                                        lo = mid + 1
+                                    else:
+                                        hi = mid
+                                hcol[r] = lo
                         cuda.syncthreads()
                         for a in range(NA):
                             s = tid + a * T
