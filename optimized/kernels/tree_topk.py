@@ -37,7 +37,6 @@ from .tree_device import (DEVICE, EXP_TAB, KERNEL, LP_FLOOR, SIM, TBUF, WARP, bl
 NB = 4096            # digit-0 histogram bins: the top 12 bits of the 32-bit sortable key
 NB1 = NB + 1
 SHIFT0 = 20          # key >> SHIFT0 is the bin
-KMAX = 1024          # largest K (the budget limit)
 CAP = 64 if SIM else 4096   # candidates selected in shared memory (more: the whole-row path)
 PMAX = 128           # most chunks per row
 RB = 256             # radix bins of the final select (8-bit digits)
