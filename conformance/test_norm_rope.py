@@ -28,12 +28,13 @@ def norm_module(d: int, seed: int) -> RMSNorm:
     return m
 
 
-def wide_rows(rows: int, d: int, extra: int, seed: int, scale: float) -> torch.Tensor:
-    """[rows, d] bf16 as a column slice of a [rows, extra + d + 3] tensor (a view with row stride > d) when
-    extra > 0 (like ckv split from the kv_a projection), else contiguous."""
+def wide_rows(rows: int, d: int, extra: int, seed: int, scale: float, device="cuda") -> torch.Tensor:
+    """[rows, d] bf16 on `device` as a column slice of a [rows, extra + d + 3] tensor (a view with row stride > d)
+    when extra > 0 (like ckv split from the kv_a projection), else contiguous. The slice is taken on the device:
+    moving a view there would make it contiguous."""
     g = torch.Generator().manual_seed(seed)
     full = (scale * torch.randn(rows, extra + d + (3 if extra else 0), generator=g)).to(torch.bfloat16)
-    return full[:, extra:extra + d]
+    return full.to(device)[:, extra:extra + d]
 
 
 # ---- CPU: clear errors -----------------------------------------------------------------------------------
@@ -49,15 +50,20 @@ def test_cpu_tensors_raise():
 # ---- GPU -------------------------------------------------------------------------------------------------
 
 @gpu
-@given(rows=st.integers(1, 70), d=st.sampled_from([16, 64, 128, 256, 512, 1536, 7168]),
+@given(rows=st.integers(1, 70), d=st.sampled_from([16, 36, 64, 128, 256, 512, 1536, 7168]),
        view=st.booleans(), heads=st.sampled_from([1, 4]), scale=st.sampled_from([1e-2, 1.0, 30.0]),
        seed=st.integers(0, 2**16))
 def test_rms_norm_policy(rows, d, view, heads, scale, seed):
     m = norm_module(d, seed)
-    x = wide_rows(rows * heads, d, 5 if view else 0, seed + 1, scale).cuda()
+    x = wide_rows(rows * heads, d, 5 if view else 0, seed + 1, scale)
     if heads > 1 and not view:
         x = x.view(rows, heads, d)                                    # per-head norm (drafter q/k norms)
-    out = nr.rms_norm(x, m.weight.to(torch.bfloat16).cuda(), m.eps)
+    w = m.weight.to(torch.bfloat16).cuda()
+    path = nr.norm_path(x, x.stride(-2), w)
+    # the 16-byte kernel exactly where everything is 16-byte aligned (a view at column offset 5 is not; d = 36 is not)
+    assert path == ("v8" if d % 8 == 0 and not view else "generic")
+    assert x.is_contiguous() != view
+    out = nr.rms_norm(x, w, m.eps)
     assert out.shape == x.shape and out.is_contiguous() and out.dtype == torch.bfloat16
     ref64 = m.double()(x.double().cpu())
     ref16 = m.to(torch.bfloat16).cuda()(x).cpu().double()
@@ -69,6 +75,21 @@ def test_rms_norm_policy(rows, d, view, heads, scale, seed):
     step = (ref16.abs() * 2.0 ** -6).clamp(min=1e-30)      # normalized value one step off, then x weight rounds
     assert ((got - ref16).abs() <= step).all(), "rms_norm: more than two bf16 steps from the bf16 reference"
     assert nr._kernels.cache_info().currsize >= 1                      # the CuPy kernel ran
+
+
+@gpu
+@pytest.mark.parametrize("d", [512, 1536, 7168])
+def test_rms_norm_paths_agree(d):
+    """The 16-byte kernel and the generic one on the same rows: within one bf16 step (fp32 sum order only)."""
+    m = norm_module(d, 3)
+    w = m.weight.to(torch.bfloat16).cuda()
+    a = wide_rows(9, d, 0, 4, 1.0)                               # contiguous, 16-byte aligned
+    shifted = torch.empty(9, d + 1, dtype=torch.bfloat16, device="cuda")[:, 1:]
+    shifted[:] = a                                                       # the same rows at a 2-byte offset
+    assert nr.norm_path(a, a.stride(0), w) == "v8" and nr.norm_path(shifted, shifted.stride(0), w) == "generic"
+    va, vg = nr.rms_norm(a, w, m.eps).double(), nr.rms_norm(shifted, w, m.eps).double()
+    assert ((va - vg).abs() <= va.abs() * 2.0 ** -7 + 1e-30).all()
+    assert (va != 0).any()
 
 
 @gpu

@@ -301,7 +301,10 @@ class Engine:
         if not 1 <= self.max_seq_len <= cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len {self.max_seq_len} outside 1..max_position_embeddings "
                              f"{cfg.max_position_embeddings}")
-        self.cap = self.max_seq_len + MAX_T
+        # key slots per request, a multiple of 64: the drafter's attention GEMMs run over [bucket] keys, and an
+        # odd bucket (max_seq_len + MAX_T) sent cuBLAS to its unaligned kernels (146 us a layer at K2.6 widths,
+        # bench/results/engine_notes.md)
+        self.cap = -(-(self.max_seq_len + MAX_T) // 64) * 64
         self.max_requests = max_requests
         self._moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
         self.held = None if experts is None else sorted({int(e) for e in experts})

@@ -34,7 +34,7 @@ def _kernels(device_index: int) -> dict:
         raise RuntimeError("optimized.norm_rope needs CuPy (pip install cupy-cuda13x) and a CUDA GPU") from e
     with cupy.cuda.Device(device_index):       # CuPy adds -arch for the current device itself (NVRTC -> cubin)
         module = cupy.RawModule(code=_SOURCE.read_text(), options=("-std=c++17",))
-        return {n: module.get_function(n) for n in ("rms_norm_bf16", "rope_bf16")}
+        return {n: module.get_function(n) for n in ("rms_norm_bf16", "rms_norm_bf16_v8", "rope_bf16")}
 
 
 def _check(what: str, x: torch.Tensor):
@@ -70,10 +70,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows == 0:
         return out
     stride = _rows("rms_norm", x, (rows, d)).stride(0)
-    threads = 32 if d <= 1024 else 256
-    launch(_kernels(x.device.index)["rms_norm_bf16"], x.device, (rows,), (threads,),
-           (ptr(x), np.int64(stride), ptr(weight), np.float32(eps), np.int32(d), ptr(out)))
+    kernels = _kernels(x.device.index)
+    if norm_path(x, stride, weight) == "v8":
+        threads = min(1024, max(32, -(-(d // 8) // (NORM_NV * 32)) * 32))
+        launch(kernels["rms_norm_bf16_v8"], x.device, (rows,), (threads,),
+               (ptr(x), np.int64(stride // 8), ptr(weight), np.float32(eps), np.int32(d), ptr(out)))
+    else:
+        launch(kernels["rms_norm_bf16"], x.device, (rows,), (32 if d <= 1024 else 256,),
+               (ptr(x), np.int64(stride), ptr(weight), np.float32(eps), np.int32(d), ptr(out)))
     return out
+
+
+NORM_NV = 4          # 16-byte vectors per thread of rms_norm_bf16_v8 (NORM_NV in the .cu)
+
+
+def norm_path(x: torch.Tensor, stride: int, weight: torch.Tensor) -> str:
+    """Which rms_norm kernel a call runs: "v8" (16-byte loads, the row in registers) when x's start, its row
+    stride, d and the weight are 16-byte aligned and d <= 8 * NORM_NV * 1024, else "generic" (any layout)."""
+    d = x.shape[-1]
+    aligned = x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0 and stride % 8 == 0 and d % 8 == 0
+    return "v8" if aligned and d <= 8 * NORM_NV * 1024 else "generic"
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = True) -> torch.Tensor:
