@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 FAMILIES = [            # first match wins
     ("moe_int4", r"moe_int4|moe_gemm|moe_fused|moe_grouped"),
+    ("router_gemm", r"moe_router_gemm|gemvx|sm80_xmma_gemm_f32f32"),     # the fp32 router GEMM (ours / cuBLAS)
     ("moe_route", r"moe_route|moe_group|route|topk_group"),
     ("mla", r"^mla_"),
     ("tree", r"topk_|beam|compile|follow|commit_"),

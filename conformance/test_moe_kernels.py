@@ -18,6 +18,7 @@ import subprocess
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import example, given, settings, strategies as st
 
 from compare import assert_close
@@ -250,7 +251,8 @@ def test_nvcc_builds(arch, src, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     spills = re.findall(r"(\d+) bytes spill stores", res.stderr)
     assert spills and all(s == "0" for s in spills), f"register spills in {src} for {arch}:\n{res.stderr[-3000:]}"
-    plain = {"moe_route.cu": (b"moe_route", b"moe_group"), "moe_int4.cu": (b"moe_group_small",)}[src]
+    plain = {"moe_route.cu": (b"moe_route", b"moe_group", b"moe_router_gemm"),
+             "moe_int4.cu": (b"moe_group_small",)}[src]
     if plain:                                    # fetched by plain name: must not be C++-mangled
         cubin = (tmp_path / "k.cubin").read_bytes()
         for name in plain:
@@ -262,6 +264,32 @@ def test_nvcc_builds(arch, src, tmp_path):
 def rel_err(a, b) -> float:
     a, b = a.double().cpu(), b.double().cpu()
     return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 7, 16, 17, 32, 33, 65, 129])
+@pytest.mark.parametrize("experts,hidden", [(384, 7168), (16, 256), (9, 36)])
+def test_router_logits_policy(tokens, experts, hidden):
+    """moe_router_gemm (<= ROUTER_KERNEL_MAX_T tokens, D % 32 == 0) and cuBLAS (otherwise) against float64: error at
+    most 2x PyTorch fp32's (+ a few ulps of the row scale), the same bits on a second call (fixed summation order);
+    route on the parts == route on their sum."""
+    g = torch.Generator().manual_seed(tokens * 131 + experts)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).cuda()
+    w = (torch.randn(experts, hidden, generator=g) * hidden ** -0.5).cuda()
+    path = moe_k.router_path(x, w)
+    assert path == ("kernel" if tokens <= moe_k.ROUTER_KERNEL_MAX_T and hidden % 32 == 0 else "cublas")
+    got = moe_k.router_logits(x, w)
+    assert torch.equal(got, moe_k.router_logits(x, w))
+    ref = x.double() @ w.double().T
+    torch_err = (F.linear(x.float(), w).double() - ref).abs().max().item()
+    err = (got.double() - ref).abs().max().item()
+    ulp = ref.abs().max().item() * 2.0 ** -23
+    assert err <= 2 * torch_err + 4 * ulp, f"{path}: error {err:.3e} vs PyTorch fp32 {torch_err:.3e}"
+    top_k = min(8, experts)
+    cfg = moe_config(experts=experts, top_k=top_k, n_group=1, topk_group=1)
+    bias = torch.zeros(experts, device="cuda")
+    a, b = moe_k.route(moe_k.router_parts(x, w), bias, cfg), moe_k.route(got, bias, cfg)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 @pytest.mark.gpu

@@ -6,7 +6,8 @@ K experts per token, P = T*K token-expert pairs, A = min(L, P) slots for active 
 Dp / Fp = D / F rounded up to 64, R = rows / 16 (weight tiles), C = Dp / 64 or Fp / 64 (k chunks).
 
 Stages (each a function below; no host synchronisation anywhere, so the whole layer can be graph-captured):
-  router        logits = x.float() @ W_r.float().T (cuBLAS fp32, as the reference), then `route` (kernel)
+  router        logits = x.float() @ W_r.float().T in fp32 (moe_router_gemm's 8 column-slice partials up to 32
+                tokens, cuBLAS above), then `route` (kernel; adds the partials in order)
   group_tokens  pairs sorted by expert + the active-expert table (moe_group; one warp for <= 32 pairs)
   gate_up       fused dequant GEMM of gate and up with SwiGLU -> h [P, Fp] bf16 (moe_int4_gemm EPI 0)
   group_gate_up both in one launch for <= 32 pairs (moe_int4_gate_up_grouped; what moe_routed runs there)
@@ -54,7 +55,7 @@ from reference.int4 import pack_int4
 from .cuda_launch import launch, ptr as _p
 
 __all__ = ["MoEWeights", "Grouping", "compile_target", "repack", "unrepack", "pack_experts", "load_moe_weights", "route", "router",
-           "group_tokens", "pick_variant", "gate_up", "down", "gate_up_down", "combine", "moe_routed", "shared_expert", "moe_forward"]
+           "router_parts", "router_logits", "router_path", "group_tokens", "pick_variant", "gate_up", "down", "gate_up_down", "combine", "moe_routed", "shared_expert", "moe_forward"]
 
 _KERNELS = Path(__file__).resolve().parent / "kernels"
 # (NT n-tiles of 8 tokens per pass, U chunks per register stage, XB chunks per activation batch, S warps per
@@ -253,7 +254,7 @@ def _kernels(device_index: int):
                             name_expressions=gemm + comb)
         m2 = cupy.RawModule(code=(_KERNELS / "moe_route.cu").read_text(), options=options)
         fns = {n: m1.get_function(n) for n in gemm + comb + ["moe_group_small"]}
-        fns.update({n: m2.get_function(n) for n in ("moe_route", "moe_group")})
+        fns.update({n: m2.get_function(n) for n in ("moe_route", "moe_group", "moe_router_gemm")})
     props = torch.cuda.get_device_properties(device_index)
     return fns, props.multi_processor_count, props.max_threads_per_multi_processor // 32
 
@@ -287,13 +288,16 @@ def _need_cuda(what: str, *tensors):
 
 def route(router_logits: torch.Tensor, bias: torch.Tensor, cfg):
     """reference.target.route on the GPU: fp32 logits [T, E] -> (expert ids int64 [T, K], weights fp32 [T, K]),
-    ids in descending order of the biased score (torch.topk order); ties go to the lower id."""
+    ids in descending order of the biased score (torch.topk order); ties go to the lower id. The logits may also
+    come as parts [P, T, E] whose sum (taken in order 0..P-1) they are: moe_router_gemm's column slices."""
     _need_cuda("route", router_logits, bias)
-    t, e = router_logits.shape
+    parts = router_logits if router_logits.dim() == 3 else router_logits.unsqueeze(0)
+    p, t, e = parts.shape
     k, ng = cfg.num_experts_per_tok, max(1, cfg.n_group)
-    if router_logits.dtype != torch.float32 or bias.dtype != torch.float32 or bias.shape != (e,):
-        raise ValueError(f"route: need float32 logits [T, E] and float32 bias [E], got {router_logits.dtype} "
-                         f"{tuple(router_logits.shape)} and {bias.dtype} {tuple(bias.shape)}")
+    if router_logits.dtype != torch.float32 or router_logits.dim() not in (2, 3) or bias.dtype != torch.float32 \
+            or bias.shape != (e,):
+        raise ValueError(f"route: need float32 logits [T, E] (or parts [P, T, E]) and float32 bias [E], got "
+                         f"{router_logits.dtype} {tuple(router_logits.shape)} and {bias.dtype} {tuple(bias.shape)}")
     if e != cfg.n_routed_experts or e % ng or not 0 < k <= e or not 0 < cfg.topk_group <= ng:
         raise ValueError(f"route: E={e}, n_routed_experts={cfg.n_routed_experts}, n_group={ng}, "
                          f"topk_group={cfg.topk_group}, K={k} inconsistent")
@@ -303,18 +307,63 @@ def route(router_logits: torch.Tensor, bias: torch.Tensor, cfg):
     if smem > 48 * 1024:
         raise ValueError(f"route: {e} experts need {smem} B of shared memory per token (> 48 KB)")
     if t:
-        _launch("moe_route", router_logits.device, (t,), (32,),
-                (_p(router_logits.contiguous()), _p(bias.contiguous()), np.int32(e), np.int32(k), np.int32(ng),
+        _launch("moe_route", router_logits.device, (t,), (128,),
+                (_p(parts.contiguous()), np.int32(p), _p(bias.contiguous()), np.int32(e), np.int32(k), np.int32(ng),
                  np.int32(cfg.topk_group if ng > 1 else 1), np.int32(bool(cfg.norm_topk_prob)),
                  np.float32(cfg.routed_scaling_factor), _p(idx), _p(w)), smem)
     return idx, w
 
 
+# The router GEMM for up to this many tokens runs moe_router_gemm (fp32 SIMT, ROUTER_RK column-slice partials that
+# `route` adds in order); above, cuBLAS's fp32 GEMM. H200, K2.6 widths (bench/results/engine_run11): T = 1 / 17 / 65
+# took 5.0 / 16.2 / 50 us in the kernel (one pass per 16 tokens) against cuBLAS's 7.5 / 20.7 / 22 us, so the kernel
+# serves up to two passes.
+ROUTER_KERNEL_MAX_T = 32
+ROUTER_RK, ROUTER_EG = 8, 16          # column slices, experts per block (ROUTER_RK / ROUTER_EG in the .cu)
+ROUTER_CMAX = 8                       # float4 columns per lane and slice: D <= 32768
+
+
+def router_path(x: torch.Tensor, weight: torch.Tensor) -> str:
+    """Which router GEMM a call runs: "kernel" (moe_router_gemm) for bf16 x of <= ROUTER_KERNEL_MAX_T rows with
+    D % 32 == 0, D <= 32768 and aligned rows, else "cublas" (F.linear in fp32)."""
+    t, d = x.shape
+    ok = (x.dtype == torch.bfloat16 and weight.dtype == torch.float32 and d % (4 * ROUTER_RK) == 0
+          and d <= 4 * 32 * ROUTER_CMAX * ROUTER_RK
+          and x.is_contiguous() and weight.is_contiguous() and x.data_ptr() % 8 == 0 and weight.data_ptr() % 16 == 0)
+    return "kernel" if ok and 1 <= t <= ROUTER_KERNEL_MAX_T else "cublas"
+
+
+def router_parts(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The router logits x.float() @ weight.T as fp32 parts [P, T, E] whose in-order sum they are: P = ROUTER_RK
+    column slices (moe_router_gemm) or P = 1 (cuBLAS), by `router_path`. Deterministic on either path."""
+    _need_cuda("router", x, weight)
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"router: x [T, D] and weight [E, D] expected, got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if router_path(x, weight) == "cublas":
+        return F.linear(x.float(), weight).unsqueeze(0)
+    t, d = x.shape
+    e = weight.shape[0]
+    parts = torch.empty(ROUTER_RK, t, e, dtype=torch.float32, device=x.device)
+    _launch("moe_router_gemm", x.device, (-(-e // ROUTER_EG), ROUTER_RK), (256,),
+            (_p(x), _p(weight), np.int32(t), np.int32(e), np.int32(d), _p(parts)))
+    return parts
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x.float() @ weight.T in fp32 [T, E]: `router_parts` added in order, the values `route` sees."""
+    parts = router_parts(x, weight)
+    out = parts[0].clone()
+    for p in range(1, parts.shape[0]):
+        out += parts[p]
+    return out
+
+
 def router(x: torch.Tensor, weights: MoEWeights, cfg):
-    """The router GEMM in fp32 (cuBLAS; TF32 off unless the caller turned it on), then `route`."""
+    """The router GEMM in fp32 (`router_parts`), then `route`."""
     if weights.router_weight is None:
         raise ValueError("router: these MoEWeights carry no router (load them with load_moe_weights)")
-    return route(F.linear(x.float(), weights.router_weight), weights.router_bias, cfg)
+    return route(router_parts(x.contiguous(), weights.router_weight), weights.router_bias, cfg)
 
 
 @dataclass
