@@ -106,13 +106,13 @@ def main(argv) -> None:
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     from optimized.engine import RoundTiming
+    from optimized.synthetic import distinct_experts
     eng, prefix = engine_for(args.which, args.layers)
     gen = torch.Generator().manual_seed(0)
     if prefix:
         prompt = torch.randint(0, eng.cfg.vocab_size - 8, (prefix,), generator=gen).tolist()
     else:
-        gold = json.loads((ROOT / "fixtures/trained/golden.json").read_text())
-        prompt = gold["cases"][0]["prompt_ids"] if "cases" in gold else gold[0]["prompt_ids"]
+        prompt = json.loads((ROOT / "fixtures/trained/golden.json").read_text())["cases"][0]["prompt_ids"]
     rows: list = []
     for c in args.configs.split(","):
         mode, budget = (c, None) if c in ("ar", "chain") else ("ddtree", int(c))
@@ -126,14 +126,15 @@ def main(argv) -> None:
                 continue
             ev, kern = profile_graph(eng._graphs[key].graphs[i])
             report(tag, stage, ev, kern, rows)
-        from optimized.synthetic import distinct_experts
+            if stage == "verify":
+                verify = rows[-1]
         t = int(eng._graphs[key].rnd.ids.shape[1])
         distinct = distinct_experts(eng, prompt, mode, budget, t)
-        moe_us = sum(ms for k, (ms, n) in rows[-2]["kernels"].items() if family(k) == "moe_int4") * 1e3
+        moe_us = sum(ms for k, (ms, n) in verify["kernels"].items() if family(k) == "moe_int4") * 1e3
         per = moe_us / max(1, sum(distinct))
         print(f"   {t} rows: distinct experts per MoE layer {distinct}; MoE expert kernels {moe_us:.1f} us = "
               f"{per:.2f} us per distinct expert")
-        rows[-2].update(rows=t, distinct_experts=distinct)
+        verify.update(rows=t, distinct_experts=distinct)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                                                    rows=rows), indent=1))
