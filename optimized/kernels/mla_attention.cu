@@ -593,14 +593,109 @@ __device__ __forceinline__ void rescale(float (&o)[128], float alpha0, float alp
         o[4 * n + 3] *= alpha1;
     }
 }
-}  // namespace wgm
 
-extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
+// ---- thread-block clusters (CS > 1): the splits of one row tile reduce through distributed shared memory
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+// every thread of every block of the cluster; release/acquire orders the smem writes before it for all readers
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// the shared::cluster address of shared::cta address `addr` in block `rank` of this cluster
+__device__ __forceinline__ unsigned map_rank(unsigned addr, unsigned rank) {
+    unsigned r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ float ld_cluster(unsigned addr) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ float4 ld_cluster4(unsigned addr) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(addr));
+    return v;
+}
+constexpr int RED_STRIDE = 520;   // fp32 row stride of the exchanged O (2080 B: 8 rows of float2 in 2 wavefronts)
+static_assert(BM * RED_STRIDE * 4 <= OFF_P, "the exchanged O reuses the Q and K region");
+
+// Block (row tile, split) of a cluster of CS splits: after its key chunk, its O / l (fp32) and lse go to its own
+// smem; block `rank` then combines rows rank*RB.. of all CS blocks (read over DSMEM) and writes them: bf16 to
+// `out` when the cluster holds every split (o_part == nullptr), else one fp32 partial + lse per cluster (group)
+// for mla_combine. The blocks stay resident until every reader is done (second cluster barrier).
+template <int CS>
+__device__ __forceinline__ void cluster_epilogue(unsigned base, unsigned char* smem, const float (&o)[128],
+                                                 const float* sL, const float* sM, float* sLse, int wg, int r0,
+                                                 int r1, int q4, int tid, int row0, int M, bf16_t* __restrict__ out,
+                                                 float* __restrict__ o_part, float* __restrict__ lse_part) {
+    float* sRed = reinterpret_cast<float*>(smem);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = h ? r1 : r0;
+        const float l = sL[r];
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        float* dst = sRed + r * RED_STRIDE + wg * 256 + 2 * q4;
+#pragma unroll
+        for (int n = 0; n < 32; ++n)
+            *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
+    }
+    if (tid < BM) sLse[tid] = sL[tid] > 0.f ? sM[tid] + __log2f(sL[tid]) : neg_inf();
+    cluster_sync();
+    constexpr int RB = (BM + CS - 1) / CS;                   // rows combined by each block
+    const unsigned rank = cluster_rank();
+    const unsigned lse_a = smem_addr(sLse), red_a = base;
+    for (int i = tid; i < RB * (MLA_C / 4); i += NTHREADS) {
+        const int r = (int)rank * RB + i / (MLA_C / 4), c4 = i % (MLA_C / 4), m = row0 + r;
+        if (r >= BM || m >= M) break;                        // rows only grow with i
+        float lse[CS], mx = neg_inf();
+#pragma unroll
+        for (int s = 0; s < CS; ++s) {
+            lse[s] = ld_cluster(map_rank(lse_a + 4 * r, s));
+            mx = fmaxf(mx, lse[s]);
+        }
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        float den = 0.f;
+        if (mx != neg_inf()) {
+            float4 v[CS];
+#pragma unroll
+            for (int s = 0; s < CS; ++s) v[s] = ld_cluster4(map_rank(red_a + 4 * (r * RED_STRIDE + 4 * c4), s));
+#pragma unroll
+            for (int s = 0; s < CS; ++s) {   // in rank order: deterministic
+                const float wt = exp2f(lse[s] - mx);
+                acc.x += wt * v[s].x;
+                acc.y += wt * v[s].y;
+                acc.z += wt * v[s].z;
+                acc.w += wt * v[s].w;
+                den += wt;
+            }
+        }
+        const float inv = den > 0.f ? 1.f / den : 0.f;
+        if (o_part == nullptr) {
+            uint2 packed;
+            packed.x = pack_bf16x2(acc.x * inv, acc.y * inv);
+            packed.y = pack_bf16x2(acc.z * inv, acc.w * inv);
+            *reinterpret_cast<uint2*>(out + (long long)m * MLA_C + 4 * c4) = packed;
+        } else {
+            const int group = blockIdx.y / CS;
+            *reinterpret_cast<float4*>(o_part + ((long long)group * M + m) * MLA_C + 4 * c4) =
+                make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+            if (c4 == 0) lse_part[(long long)group * M + m] = den > 0.f ? mx + __log2f(den) : neg_inf();
+        }
+    }
+    cluster_sync();
+}
+
+template <int CS>
+__device__ __forceinline__ void wgmma_body(
     const bf16_t* __restrict__ q_lat, const bf16_t* __restrict__ q_pe, const bf16_t* __restrict__ latent,
     const unsigned* __restrict__ tree_mask, bf16_t* __restrict__ out, float* __restrict__ o_part,
     float* __restrict__ lse_part, int T, int H, int P, int S, int words, int chunk_keys, float scale_log2,
     const int* __restrict__ seq_len) {
-    using namespace wgm;
     if (seq_len != nullptr) {   // graph mode as graph_shape; inline: the call renames registers (other SASS)
         S = __ldg(seq_len);
         P = S - T;
@@ -738,28 +833,53 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
         }
     }
     __syncthreads();
+    if constexpr (CS > 1) {
+        cluster_epilogue<CS>(base, smem, o, sL, sM, sM + BM, wg, r0, r1, q4, tid, row0, M, out, o_part, lse_part);
+    } else {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = h ? r1 : r0, m = row0 + r;
-        const float l = sL[r];
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        if (m >= M) continue;
-        if (o_part == nullptr) {
-            bf16_t* dst = out + (long long)m * MLA_C + wg * 256 + 2 * q4;
+        for (int h = 0; h < 2; ++h) {
+            const int r = h ? r1 : r0, m = row0 + r;
+            const float l = sL[r];
+            const float inv = l > 0.f ? 1.f / l : 0.f;
+            if (m >= M) continue;
+            if (o_part == nullptr) {
+                bf16_t* dst = out + (long long)m * MLA_C + wg * 256 + 2 * q4;
 #pragma unroll
-            for (int n = 0; n < 32; ++n)
-                *reinterpret_cast<unsigned*>(dst + n * 8) =
-                    pack_bf16x2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
-        } else {
-            float* dst = o_part + ((long long)split * M + m) * MLA_C + wg * 256 + 2 * q4;
+                for (int n = 0; n < 32; ++n)
+                    *reinterpret_cast<unsigned*>(dst + n * 8) =
+                        pack_bf16x2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
+            } else {
+                float* dst = o_part + ((long long)split * M + m) * MLA_C + wg * 256 + 2 * q4;
 #pragma unroll
-            for (int n = 0; n < 32; ++n)
-                *reinterpret_cast<float2*>(dst + n * 8) =
-                    make_float2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
-            if (wg == 0 && q4 == 0) lse_part[(long long)split * M + m] = l > 0.f ? sM[r] + __log2f(l) : neg_inf();
+                for (int n = 0; n < 32; ++n)
+                    *reinterpret_cast<float2*>(dst + n * 8) =
+                        make_float2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
+                if (wg == 0 && q4 == 0) lse_part[(long long)split * M + m] = l > 0.f ? sM[r] + __log2f(l) : neg_inf();
+            }
         }
     }
 }
+}  // namespace wgm
+
+#define MLA_WGMMA_ARGS                                                                                      \
+    const bf16_t* __restrict__ q_lat, const bf16_t* __restrict__ q_pe, const bf16_t* __restrict__ latent,   \
+        const unsigned* __restrict__ tree_mask, bf16_t* __restrict__ out, float* __restrict__ o_part,       \
+        float* __restrict__ lse_part, int T, int H, int P, int S, int words, int chunk_keys,                \
+        float scale_log2, const int* __restrict__ seq_len
+#define MLA_WGMMA_CALL(CS) wgm::wgmma_body<CS>(q_lat, q_pe, latent, tree_mask, out, o_part, lse_part, T, H, P, S, \
+                                               words, chunk_keys, scale_log2, seq_len)
+extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(MLA_WGMMA_ARGS) { MLA_WGMMA_CALL(1); }
+// clusters of CS splits along gridDim.y (compile-time cluster shape: a plain launch honors it)
+#define MLA_WGMMA_CLUSTER(CS)                                                                               \
+    extern "C" __global__ void __cluster_dims__(1, CS, 1) __launch_bounds__(256, 1)                          \
+        mla_wgmma_m64_n64_c##CS(MLA_WGMMA_ARGS) { MLA_WGMMA_CALL(CS); }
+MLA_WGMMA_CLUSTER(2)
+MLA_WGMMA_CLUSTER(3)
+MLA_WGMMA_CLUSTER(4)
+MLA_WGMMA_CLUSTER(5)
+MLA_WGMMA_CLUSTER(6)
+MLA_WGMMA_CLUSTER(7)
+MLA_WGMMA_CLUSTER(8)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // ---- split-KV merge ----------------------------------------------------------------------------------
