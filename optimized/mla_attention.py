@@ -365,7 +365,7 @@ def _max_active_clusters(fn, cs: int, threads: int, smem: int) -> int:
     cuda = ctypes.CDLL("libcuda.so.1")
     n = ctypes.c_int(0)
     cfg = LaunchConfig((1, cs, 1), (threads, 1, 1), smem, None, None, 0)
-    rc = cuda.cuOccupancyMaxActiveClusters(ctypes.byref(n), ctypes.c_void_p(fn.ptr), ctypes.byref(cfg))
+    rc = cuda.cuOccupancyMaxActiveClusters(ctypes.byref(n), ctypes.c_void_p(fn.kernel.ptr), ctypes.byref(cfg))
     if rc != 0:
         raise RuntimeError(f"tree_attention: cuOccupancyMaxActiveClusters failed (CUresult {rc}) for clusters of "
                            f"{cs}; the split plan needs it")
