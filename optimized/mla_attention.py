@@ -337,8 +337,9 @@ def _device_module(index: int, defines: tuple = ()):
                         continue
                     if cfg.smem_bytes <= smem_optin:
                         fn.max_dynamic_shared_size_bytes = cfg.smem_bytes
-                        if cfg.kind == "wgmma":
-                            cluster_slots[cs] = _max_active_clusters(fn, cs, cfg.warps * 32, cfg.smem_bytes)
+                        if cfg.kind == "wgmma":   # the query answers 0 for a kernel without cluster dims:
+                            cluster_slots[cs] = int(props.multi_processor_count) if cs == 1 else \
+                                _max_active_clusters(fn, cs, cfg.warps * 32, cfg.smem_bytes)   # 1 block/SM
                     kernels[symbol] = fn
             for name in ("mla_combine", "mla_generic"):
                 kernels[name] = module.get_function(name)

@@ -600,7 +600,7 @@ __device__ __forceinline__ unsigned cluster_rank() {
     asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
     return r;
 }
-// every thread of every block of the cluster; release/acquire orders the smem writes before it for all readers
+// every thread of every block of the cluster; release/acquire orders the (remote) smem writes before it
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
@@ -610,67 +610,68 @@ __device__ __forceinline__ unsigned map_rank(unsigned addr, unsigned rank) {
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
     return r;
 }
-__device__ __forceinline__ float ld_cluster(unsigned addr) {
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
-    return v;
+__device__ __forceinline__ void st_cluster(unsigned addr, float v) {
+    asm volatile("st.shared::cluster.f32 [%0], %1;\n" :: "r"(addr), "f"(v) : "memory");
 }
-__device__ __forceinline__ float4 ld_cluster4(unsigned addr) {
-    float4 v;
-    asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "r"(addr));
-    return v;
+__device__ __forceinline__ void st_cluster2(unsigned addr, float a, float b) {
+    asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};\n" :: "r"(addr), "f"(a), "f"(b) : "memory");
 }
 constexpr int RED_STRIDE = 520;   // fp32 row stride of the exchanged O (2080 B: 8 rows of float2 in 2 wavefronts)
-static_assert(BM * RED_STRIDE * 4 <= OFF_P, "the exchanged O reuses the Q and K region");
 
-// Block (row tile, split) of a cluster of CS splits: after its key chunk, its O / l (fp32) and lse go to its own
-// smem; block `rank` then combines rows rank*RB.. of all CS blocks (read over DSMEM) and writes them: bf16 to
-// `out` when the cluster holds every split (o_part == nullptr), else one fp32 partial + lse per cluster (group)
-// for mla_combine. The blocks stay resident until every reader is done (second cluster barrier).
+// Block (row tile, split) of a cluster of CS splits, after its key chunk. Block `owner` combines rows
+// owner*RB .. +RB of the tile: every block pushes its O / l (fp32) and lse of those rows into the owner's
+// shared memory (remote stores: no round trip waits on them), slot `rank`; once all have landed, the owner adds
+// the CS slots with weights 2^(lse - max) in rank order (deterministic) and writes them: bf16 to `out` when
+// the cluster holds every split (o_part == nullptr), else one fp32 partial + lse per cluster for mla_combine.
+// The slots reuse the Q and K region, so the first barrier waits until every block of the cluster is past its
+// main loop.
 template <int CS>
-__device__ __forceinline__ void cluster_epilogue(unsigned base, unsigned char* smem, const float (&o)[128],
-                                                 const float* sL, const float* sM, float* sLse, int wg, int r0,
-                                                 int r1, int q4, int tid, int row0, int M, bf16_t* __restrict__ out,
+__device__ __forceinline__ void cluster_epilogue(unsigned base, const unsigned char* smem, const float (&o)[128],
+                                                 const float* sL, const float* sM, int wg, int r0, int r1, int q4,
+                                                 int tid, int row0, int M, bf16_t* __restrict__ out,
                                                  float* __restrict__ o_part, float* __restrict__ lse_part) {
-    float* sRed = reinterpret_cast<float*>(smem);
+    constexpr int RB = (BM + CS - 1) / CS;                   // rows combined by each block
+    constexpr int LSE_OFF = CS * RB * RED_STRIDE * 4;        // [CS][RB] lse after the [CS][RB] O slots
+    static_assert(LSE_OFF + CS * RB * 4 <= OFF_P, "the exchange reuses the Q and K region");
+    const unsigned rank = cluster_rank();
+    cluster_sync();
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = h ? r1 : r0;
         const float l = sL[r];
         const float inv = l > 0.f ? 1.f / l : 0.f;
-        float* dst = sRed + r * RED_STRIDE + wg * 256 + 2 * q4;
+        const unsigned slot = rank * RB + r % RB;
+        const unsigned dst = map_rank(base + 4 * (slot * RED_STRIDE + wg * 256 + 2 * q4), r / RB);
 #pragma unroll
-        for (int n = 0; n < 32; ++n)
-            *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
+        for (int n = 0; n < 32; ++n) st_cluster2(dst + 32 * n, o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
     }
-    if (tid < BM) sLse[tid] = sL[tid] > 0.f ? sM[tid] + __log2f(sL[tid]) : neg_inf();
+    if (tid < BM) {
+        const float lse = sL[tid] > 0.f ? sM[tid] + __log2f(sL[tid]) : neg_inf();
+        st_cluster(map_rank(base + LSE_OFF + 4 * (rank * RB + tid % RB), tid / RB), lse);
+    }
     cluster_sync();
-    constexpr int RB = (BM + CS - 1) / CS;                   // rows combined by each block
-    const unsigned rank = cluster_rank();
-    const unsigned lse_a = smem_addr(sLse), red_a = base;
+    const float* slots = reinterpret_cast<const float*>(smem);
+    const float* lses = reinterpret_cast<const float*>(smem + LSE_OFF);
     for (int i = tid; i < RB * (MLA_C / 4); i += NTHREADS) {
-        const int r = (int)rank * RB + i / (MLA_C / 4), c4 = i % (MLA_C / 4), m = row0 + r;
+        const int rr = i / (MLA_C / 4), c4 = i % (MLA_C / 4), r = (int)rank * RB + rr, m = row0 + r;
         if (r >= BM || m >= M) break;                        // rows only grow with i
         float lse[CS], mx = neg_inf();
 #pragma unroll
         for (int s = 0; s < CS; ++s) {
-            lse[s] = ld_cluster(map_rank(lse_a + 4 * r, s));
+            lse[s] = lses[s * RB + rr];
             mx = fmaxf(mx, lse[s]);
         }
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
         float den = 0.f;
         if (mx != neg_inf()) {
-            float4 v[CS];
 #pragma unroll
-            for (int s = 0; s < CS; ++s) v[s] = ld_cluster4(map_rank(red_a + 4 * (r * RED_STRIDE + 4 * c4), s));
-#pragma unroll
-            for (int s = 0; s < CS; ++s) {   // in rank order: deterministic
+            for (int s = 0; s < CS; ++s) {
                 const float wt = exp2f(lse[s] - mx);
-                acc.x += wt * v[s].x;
-                acc.y += wt * v[s].y;
-                acc.z += wt * v[s].z;
-                acc.w += wt * v[s].w;
+                const float4 v = *reinterpret_cast<const float4*>(slots + (s * RB + rr) * RED_STRIDE + 4 * c4);
+                acc.x += wt * v.x;
+                acc.y += wt * v.y;
+                acc.z += wt * v.z;
+                acc.w += wt * v.w;
                 den += wt;
             }
         }
@@ -687,7 +688,6 @@ __device__ __forceinline__ void cluster_epilogue(unsigned base, unsigned char* s
             if (c4 == 0) lse_part[(long long)group * M + m] = den > 0.f ? mx + __log2f(den) : neg_inf();
         }
     }
-    cluster_sync();
 }
 
 template <int CS>
@@ -834,7 +834,7 @@ __device__ __forceinline__ void wgmma_body(
     }
     __syncthreads();
     if constexpr (CS > 1) {
-        cluster_epilogue<CS>(base, smem, o, sL, sM, sM + BM, wg, r0, r1, q4, tid, row0, M, out, o_part, lse_part);
+        cluster_epilogue<CS>(base, smem, o, sL, sM, wg, r0, r1, q4, tid, row0, M, out, o_part, lse_part);
     } else {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
