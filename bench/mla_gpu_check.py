@@ -76,7 +76,7 @@ def main():
             kern = mla.plan_for(case.q_lat, case.q_pe, case.latent, config=kw.get("config"),
                                 num_splits=kw.get("num_splits"))
             print(f"{name:32s} {'uniform' if uniform else 'random ':8s} {'ok ' if ok else 'BAD'} "
-                  f"{kern.symbol}/{kern.splits} kernel max "
+                  f"{kern.kernel}/{kern.splits} kernel max "
                   f"{err['max']:.2e} fro {err['fro']:.2e} | torch-bf16 max {base['max']:.2e} fro {base['fro']:.2e}")
             if not ok:
                 print(localize(out.nan_to_num(1e3), ref64))
@@ -113,6 +113,20 @@ def main():
                default="wgmma")
     print(f"best variant of the default kernel: {best} {variants[best][1]}")
     Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/mla_best_defines").write_text(",".join(variants[best][1]))
+    print("split sweep (us; the plan's choice marked *):")
+    defs = variants[best][1]
+    for t, p in ((1, 8192), (1, 32768), (1, 131072), (9, 8192), (33, 8192), (65, 32768)):
+        case = mc.make_case(t, 64, p, seed=3)
+        chosen = mla.plan_for(case.q_lat, case.q_pe, case.latent).splits
+        cells = []
+        for sp in sorted({1, 2, 4, 8, 16, 33, 66, 132, 256, chosen}):
+            if sp > -(-(p + t) // 64):
+                continue
+            f = lambda c=case, sp=sp: mla.tree_attention(c.q_lat, c.q_pe, c.latent, c.tree_mask, c.scale,  # noqa
+                                                         defines=defs, num_splits=sp)
+            real = mla.plan_for(case.q_lat, case.q_pe, case.latent, num_splits=sp).splits
+            cells.append(f"{real}{'*' if sp == chosen else ''}:{mc.time_graph([f]) * 1e6:.1f}")
+        print(f"  T={t} P={p}: " + " ".join(cells))
     print(f"check: {failures} failing rows")
 
 

@@ -3,7 +3,7 @@
 # sweep, per-kernel device times (attention vs merge), the GPU conformance (policy, serving properties, speed goals), then the bench with the best variant.
 # Usage (repository root, on the GPU machine; set MLA_COMMIT where .git is stale):
 #   OUT=dir [BENCH=1] bash bench/mla_gpu_run.sh [extra pytest arguments for the bench, e.g. -k "33 or 1-"]
-# Writes $OUT/{check.txt,sweep.txt,split_sweep.json,profile.txt,tests.txt,bench.txt,mla_attention.{json,md,png}}; prints short tails.
+# Writes $OUT/{check.txt,profile.txt,tests.txt,bench.txt,mla_attention.{json,md,png}}; prints short tails.
 set -u
 OUT=${OUT:-/tmp/mla_out}
 mkdir -p "$OUT"
@@ -14,13 +14,13 @@ q="-q -p no:cacheprovider --tb=short"
 timeout ${CHECK_TIMEOUT:-240} python3 bench/mla_gpu_check.py "$OUT/best_defines" > "$OUT/check.txt" 2>&1
 echo "check rc=$?"; grep -v DeprecationWarning "$OUT/check.txt" | grep -v "^  out = \|^  f = " | tail -45
 
-if [ "${SWEEP:-1}" = 1 ]; then
+if [ "${SWEEP:-0}" = 1 ]; then   # every split count per shape against the plan's (bench/mla_split_sweep.py)
   timeout ${SWEEP_TIMEOUT:-200} python3 bench/mla_split_sweep.py "$OUT/split_sweep.json" > "$OUT/sweep.txt" 2>&1
-  echo "sweep rc=$?"; grep -v Warning "$OUT/sweep.txt" | cut -c1-220 | tail -14
+  echo "sweep rc=$?"; cut -c1-220 "$OUT/sweep.txt" | tail -14
 fi
 
 for cfg in ${PROF_CONFIGS:-auto}; do     # e.g. PROF_CONFIGS="auto mla_mma_w8_m64_n64_s2"
-  timeout ${PROF_TIMEOUT:-90} python3 bench/mla_profile.py $cfg ${PROF_SHAPES:-1:8192 1:32768 1:131072 17:4096 33:8192 65:4096} >> "$OUT/profile.txt" 2>&1
+  timeout ${PROF_TIMEOUT:-90} python3 bench/mla_profile.py $cfg >> "$OUT/profile.txt" 2>&1
   echo "profile $cfg rc=$?"
 done
 grep "^T=" "$OUT/profile.txt"

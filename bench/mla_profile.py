@@ -42,7 +42,7 @@ def main(argv: list[str]) -> None:
                 per[ev.name] += ev.device_time / reps
         floor = mc.floor_seconds(*mc.work(case)) * 1e6
         cells = " ".join(f"{k}: {v:.1f} us" for k, v in sorted(per.items(), key=lambda kv: -kv[1]))
-        print(f"T={t} P={p} {pl.symbol} splits={pl.splits} cluster={pl.cluster} floor {floor:.1f} us | {cells}")
+        print(f"T={t} P={p} {pl.kernel} splits={pl.splits} floor {floor:.1f} us | {cells}")
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ def test_bench_mla(benchmark, rows, t, prefix):
     torch.cuda.empty_cache()
 
     floor = mc.floor_seconds(flops, nbytes)
-    row = dict(T=t, prefix=prefix, H=H, kernel=pl.symbol, splits=pl.splits, cluster=pl.cluster, rotated_sets=n_sets,
+    row = dict(T=t, prefix=prefix, H=H, kernel=pl.kernel, splits=pl.splits, rotated_sets=n_sets,
                time_us=ours * 1e6, tflops=flops / ours / 1e12, tbps=nbytes / ours / 1e12,
                floor_us=floor * 1e6, ratio_to_floor=ours / floor,
                bound="flops" if flops / (mc.PEAK_TFLOPS * 1e12) > nbytes / (mc.PEAK_TBPS * 1e12) else "bytes",
@@ -111,12 +111,12 @@ def _write(rows: list[dict]) -> None:
              "Floor = max(flops / 787 TFLOP/s, bytes / 4.24 TB/s). PyTorch = reference absorbed_attention in bf16 "
              "(masked einsum) and SDPA with a bool mask. Kernel variant: "
              f"{', '.join(prov['kernel_defines']) or 'defaults'}.", "",
-             "| T | prefix | splits / cluster | µs | TFLOP/s | TB/s | floor µs | × floor | einsum µs | × vs einsum | SDPA µs | × vs SDPA |",
+             "| T | prefix | splits | µs | TFLOP/s | TB/s | floor µs | × floor | einsum µs | × vs einsum | SDPA µs | × vs SDPA |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         sd = "n/a" if r["sdpa_us"] is None else f"{r['sdpa_us']:.0f}"
         sx = "n/a" if r["speedup_vs_sdpa"] is None else f"{r['speedup_vs_sdpa']:.1f}"
-        lines.append(f"| {r['T']} | {r['prefix']} | {r['splits']} / {r.get('cluster', 1)} | {r['time_us']:.1f} | {r['tflops']:.0f} | "
+        lines.append(f"| {r['T']} | {r['prefix']} | {r['splits']} | {r['time_us']:.1f} | {r['tflops']:.0f} | "
                      f"{r['tbps']:.2f} | {r['floor_us']:.1f} | {r['ratio_to_floor']:.2f} ({r['bound']}) | "
                      f"{r['torch_einsum_us']:.0f} | {r['speedup_vs_einsum']:.1f} | {sd} | {sx} |")
     text = "\n".join(lines) + "\n"

@@ -97,26 +97,6 @@ def test_plan_covers_keys(t, h, p):
         assert pl.chunk_keys % 64 == 0 and 1 <= pl.splits <= mla.MAX_SPLITS
         assert (pl.splits - 1) * pl.chunk_keys < p + t <= pl.splits * pl.chunk_keys     # no empty split, all keys
         assert pl.grid == (-(-t * h // 64), pl.splits, 1) and pl.block == (256, 1, 1)
-        assert pl.splits % pl.cluster == 0 and (pl.cluster == 1 or backend == "wgmma") \
-            and pl.cluster <= mla.MAX_CLUSTER and pl.groups == pl.splits // pl.cluster
-
-
-def test_plan_clusters():
-    """Cluster sizes divide the splits; `cluster` and `num_splits` fix the plan or raise; clusters that do not fit
-    the device (cluster_slots 0) are never chosen."""
-    h200 = dict(**H200, cc=90)
-    pl = plan(17, 64, 512, 64, 3017, **h200, num_splits=48, cluster=8)
-    assert (pl.splits, pl.cluster, pl.groups, pl.symbol) == (48, 8, 6, "mla_wgmma_m64_n64_c8")
-    assert plan(17, 64, 512, 64, 3017, **h200, num_splits=7, cluster=1).symbol == "mla_wgmma_m64_n64"
-    with pytest.raises(ValueError, match="cluster"):
-        plan(17, 64, 512, 64, 3017, **h200, num_splits=7, cluster=2)            # 7 splits, clusters of 2
-    with pytest.raises(ValueError, match="cluster must be in"):
-        plan(17, 64, 512, 64, 3017, **h200, cluster=9)
-    with pytest.raises(ValueError, match="only for the wgmma kernel"):
-        plan(17, 64, 512, 64, 3017, **H200, cluster=2)                           # the mma kernel has no clusters
-    only_pairs = {1: 132, 2: 66}
-    for t, p in ((1, 8192), (17, 4096), (33, 8192), (65, 4096)):
-        assert plan(t, 64, 512, 64, p + t, **h200, cluster_slots=only_pairs).cluster in (1, 2)
 
 
 def test_plan_backends_and_configs():
@@ -137,9 +117,7 @@ def test_plan_backends_and_configs():
 # ---- CPU: the .cu builds for both target architectures ---------------------------------------------------
 
 def _tensor_core_kernels(arch: str) -> list[str]:
-    names = [k for k, c in mla.CONFIGS.items() if c.runs_on(mla.WGMMA_ARCH if arch == "sm_90a" else 0)]
-    clusters = [f"{k}_c{cs}" for k in names if mla.CONFIGS[k].kind == "wgmma" for cs in range(2, mla.MAX_CLUSTER + 1)]
-    return names + clusters
+    return [k for k, c in mla.CONFIGS.items() if c.runs_on(mla.WGMMA_ARCH if arch == "sm_90a" else 0)]
 
 
 def _check_ptxas_report(arch: str, log: str) -> dict:
@@ -237,38 +215,6 @@ def test_split_merge(splits):
         case = mc.make_case(t, h, prefix, seed=splits + t)
         out = tree_attention(case.q_lat, case.q_pe, case.latent, case.tree_mask, case.scale, num_splits=splits)
         mc.check_policy(out, mc.reference_f64(case), mc.reference_bf16(case), f"splits={splits} T={t}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t, h, prefix, splits, cluster", [
-    (17, 64, 3000, 48, 8), (17, 64, 3000, 48, 6), (17, 64, 3000, 48, 3), (17, 64, 3000, 48, 1),
-    (17, 64, 3000, 8, 8), (17, 64, 3000, 7, 7), (17, 64, 3000, 5, 5), (1, 64, 8192, 129, 3), (1, 64, 8192, 65, 5),
-    (200, 8, 10, 4, 4), (200, 8, 10, 4, 2), (65, 64, 4097, 2, 2), (1025, 64, 129, 3, 3)])
-def test_cluster_reduction(t, h, prefix, splits, cluster):
-    """The splits of a row tile combined over distributed shared memory (wgmma kernel, clusters of 2..8), alone
-    (groups = 1) and followed by the merge of the cluster partials (groups > 1); equal to the merge-kernel path
-    up to the summation order."""
-    if _default_backend() != "wgmma":
-        pytest.skip("thread-block clusters are the wgmma kernel's (compute capability 9.0)")
-    case = mc.make_case(t, h, prefix, seed=splits * 10 + cluster)
-    pl = mla.plan_for(case.q_lat, case.q_pe, case.latent, num_splits=splits, cluster=cluster)
-    assert (pl.splits, pl.cluster, pl.backend) == (splits, cluster, "wgmma")
-    out = tree_attention(case.q_lat, case.q_pe, case.latent, case.tree_mask, case.scale, num_splits=splits,
-                         cluster=cluster)
-    mc.check_policy(out, mc.reference_f64(case), mc.reference_bf16(case), f"splits={splits} cluster={cluster}")
-    again = tree_attention(case.q_lat, case.q_pe, case.latent, case.tree_mask, case.scale, num_splits=splits,
-                           cluster=cluster)
-    assert torch.equal(out, again), "cluster reduction is not deterministic"
-
-
-@pytest.mark.gpu
-def test_cluster_slots_reported():
-    info = mla.device_info()
-    if info["cc"] != mla.WGMMA_ARCH:
-        pytest.skip("clusters are planned for the wgmma kernel only")
-    slots = info["cluster_slots"]
-    assert sorted(slots) == list(range(1, mla.MAX_CLUSTER + 1)) and slots[1] == info["sm_count"]
-    assert all(1 <= slots[k] * k <= info["sm_count"] for k in slots), slots
 
 
 @pytest.mark.gpu

@@ -10,9 +10,7 @@ bit j % 32 of word [t, j // 32] is set; every prefix slot (< P) is visible to ev
 
 Backends (`plan(...).backend`, asserted by the conformance tests; chosen by shape and device, never as a
 fallback):
-  "wgmma" Hopper tensor-core kernel (sm_90a, compute capability 9.0), C = 512 and R = 64, split-KV: the splits
-          of a row tile run as a thread-block cluster of up to 8 and combine over distributed shared memory;
-          only more splits than that leave fp32 partials (one per cluster) for the merge kernel
+  "wgmma" Hopper tensor-core kernel (sm_90a, compute capability 9.0), C = 512 and R = 64, split-KV + merge
   "mma"   mma.sync tensor-core kernel (sm_80+: sm_120 parts, or any part via `config=`), the same shapes
   "simt"  generic fp32 kernel for any other C <= 1024, R <= 256 (the tiny fixtures); one warp per query row
 
@@ -37,7 +35,6 @@ MAX_T = 1025                    # budget 1024 + root: the largest verify block t
 MMA_C, MMA_R = 512, 64          # the dims the tensor-core kernel is built for
 GENERIC_MAX_C, GENERIC_MAX_R = 1024, 256
 MAX_SPLITS = 256
-MAX_CLUSTER = 8                 # splits per thread-block cluster (the portable cluster size)
 WGMMA_ARCH = 90                 # sm_90a code (the wgmma kernel) runs on compute capability 9.0 only
 _LOG2E = 1.4426950408889634
 _CU_PATH = Path(__file__).parent / "kernels" / "mla_attention.cu"
@@ -102,34 +99,23 @@ CONFIGS = {c.name: c for c in (
 @dataclass(frozen=True)
 class Plan:
     backend: str                   # "wgmma" | "mma" | "simt"
-    kernel: str                    # configuration name (CONFIGS) or the generic kernel
+    kernel: str                    # kernel symbol
     grid: tuple
     block: tuple
     smem: int
     splits: int = 1
     chunk_keys: int = 0            # keys per split (a multiple of the key tile)
-    cluster: int = 1               # wgmma: splits per thread-block cluster, combined over distributed smem
-
-    @property
-    def groups(self) -> int:       # partials left for mla_combine (1: the kernel writes the output itself)
-        return self.splits // self.cluster
-
-    @property
-    def symbol(self) -> str:       # the kernel launched: one instantiation per cluster size
-        return self.kernel if self.cluster == 1 else f"{self.kernel}_c{self.cluster}"
 
 
 def plan(t: int, h: int, c: int, r: int, s: int, sm_count: int, smem_optin: int,
-         config: Optional[str] = None, num_splits: Optional[int] = None, cc: int = 0,
-         cluster: Optional[int] = None, cluster_slots: Optional[dict] = None) -> Plan:
-    """Pure function of the shapes and the device properties (so it is testable without a GPU); `cc` is the
-    compute capability as major*10 + minor (90 on H100/H200 selects the wgmma kernel). `cluster_slots`
-    {cluster size: clusters of that size resident at once} (device_info; default sm_count // size)."""
+         config: Optional[str] = None, num_splits: Optional[int] = None, cc: int = 0) -> Plan:
+    """Pure function of the shapes and three device properties (so it is testable without a GPU); `cc` is the
+    compute capability as major*10 + minor (90 on H100/H200 selects the wgmma kernel)."""
     m = t * h
     if (c, r) != (MMA_C, MMA_R):
-        if config is not None or num_splits not in (None, 1) or cluster not in (None, 1):
-            raise ValueError(f"config/num_splits/cluster apply to the tensor-core kernel (C={MMA_C}, R={MMA_R}); "
-                             f"got C={c}, R={r}, which runs the generic kernel")
+        if config is not None or num_splits not in (None, 1):
+            raise ValueError(f"config/num_splits apply to the tensor-core kernel (C={MMA_C}, R={MMA_R}); got "
+                             f"C={c}, R={r}, which runs the generic kernel")
         return Plan("simt", "mla_generic", ((m + 3) // 4, 1, 1), (128, 1, 1), 0)
     if config is None:
         fitting = [k for k in CONFIGS.values() if k.smem_bytes <= smem_optin and k.runs_on(cc)]
@@ -150,61 +136,16 @@ def plan(t: int, h: int, c: int, r: int, s: int, sm_count: int, smem_optin: int,
                              f"allows {smem_optin} B")
     row_tiles = -(-m // cfg.bm)
     key_tiles = -(-s // cfg.bn)
-    if cluster is not None and not (1 <= cluster <= MAX_CLUSTER and (cluster == 1 or cfg.kind == "wgmma")):
-        raise ValueError(f"cluster must be in 1..{MAX_CLUSTER} and > 1 only for the wgmma kernel; got {cluster} "
-                         f"for {cfg.name}")
-    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
-    if cfg.kind == "wgmma" and (num_splits is None or cluster is None):
-        slots = cluster_slots or {k: sm_count // k for k in range(1, MAX_CLUSTER + 1)}
-        tiles_per_split, cs = _choose_wgmma_split(row_tiles, key_tiles, sm_count, slots, num_splits, cluster)
-        splits = -(-key_tiles // tiles_per_split)
+    if num_splits is None:
+        splits = _choose_splits(row_tiles, key_tiles, sm_count, cfg.tile_cost)
     else:
-        if num_splits is None:
-            splits = _choose_splits(row_tiles, key_tiles, sm_count, cfg.tile_cost)
-        else:
-            splits = min(num_splits, key_tiles)
-        tiles_per_split = -(-key_tiles // splits)
-        splits = -(-key_tiles // tiles_per_split)             # no empty split
-        cs = cluster or 1
-        if splits % cs:
-            raise ValueError(f"cluster {cs} must divide the {splits} splits (num_splits={num_splits} over "
-                             f"{key_tiles} key tiles)")
+        if not 1 <= num_splits <= MAX_SPLITS:
+            raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
+        splits = min(num_splits, key_tiles)
+    tiles_per_split = -(-key_tiles // splits)
+    splits = -(-key_tiles // tiles_per_split)             # no empty split
     return Plan(cfg.kind, cfg.name, (row_tiles, splits, 1), (cfg.warps * 32, 1, 1), cfg.smem_bytes, splits,
-                tiles_per_split * cfg.bn, cs)
-
-
-# wgmma split model, in us on an H200 (bench/results/mla_notes.md): a block costs WG_FIXED (launch ramp, Q and
-# first K loads) + WG_TILE per 64-key tile + WG_REDUCE when it joins a cluster reduction + WG_PARTIAL when it
-# writes a 128 KB fp32 partial; a merge launch costs WG_MERGE + its partial traffic at WG_MERGE_BW.
-WG_FIXED, WG_TILE, WG_REDUCE, WG_PARTIAL, WG_MERGE, WG_MERGE_BW = 4.0, 2.8, 1.5, 2.5, 2.5, 3.0e6   # bytes/us
-
-
-def _choose_wgmma_split(row_tiles: int, key_tiles: int, sm_count: int, slots: dict,
-                        num_splits: Optional[int] = None, cluster: Optional[int] = None) -> tuple:
-    """(tiles per split, cluster size) of least modeled time, over every split count without an empty split
-    whose cluster size divides it; `num_splits` / `cluster` fix one of the two."""
-    best, best_cost = None, None
-    tps_range = range(1, key_tiles + 1) if num_splits is None else [-(-key_tiles // min(num_splits, key_tiles))]
-    for tps in tps_range:
-        splits = -(-key_tiles // tps)             # ceil: no split is empty
-        if splits > MAX_SPLITS:
-            continue
-        for cs in range(1, MAX_CLUSTER + 1):
-            if splits % cs or (cluster is not None and cs != cluster) or slots.get(cs, 0) < 1:
-                continue
-            groups = splits // cs
-            per_wave = min(sm_count, slots[cs] * cs)
-            waves = -(-(row_tiles * splits) // per_wave)
-            block = WG_FIXED + tps * WG_TILE + (WG_REDUCE if cs > 1 else 0) + (WG_PARTIAL if groups > 1 else 0)
-            merge = 0.0 if groups == 1 else WG_MERGE + row_tiles * groups * 64 * 2048 * 2 / WG_MERGE_BW
-            cost = waves * block + merge
-            if best_cost is None or cost < best_cost - 1e-9:
-                best, best_cost = (tps, cs), cost
-    if best is None:
-        raise ValueError(f"no split of {key_tiles} key tiles into {num_splits} splits has a cluster size "
-                         f"{cluster} dividing it")
-    return best
+                tiles_per_split * cfg.bn)
 
 
 def _choose_splits(row_tiles: int, key_tiles: int, sm_count: int, tile_cost: float = 1.0) -> int:
@@ -323,24 +264,18 @@ def _device_module(index: int, defines: tuple = ()):
             options = ("-std=c++17",) + (("-arch=sm_90a",) if cc == WGMMA_ARCH else ()) \
                 + tuple(f"-D{d}" for d in defines)
             module = cupy.RawModule(code=kernel_source(), options=options)
-            kernels, missing, cluster_slots = {}, {}, {}
+            kernels, missing = {}, {}
             for cfg in CONFIGS.values():
                 if not cfg.runs_on(cc):
                     continue
-                sizes = range(1, MAX_CLUSTER + 1) if cfg.kind == "wgmma" else (1,)
-                for cs in sizes:
-                    symbol = cfg.name if cs == 1 else f"{cfg.name}_c{cs}"
-                    try:
-                        fn = module.get_function(symbol)
-                    except Exception as e:   # noqa: BLE001 - kept, raised with what to do when it is asked for
-                        missing[cfg.name if cs == 1 else symbol] = f"{type(e).__name__}: {e}"
-                        continue
-                    if cfg.smem_bytes <= smem_optin:
-                        fn.max_dynamic_shared_size_bytes = cfg.smem_bytes
-                        if cfg.kind == "wgmma":   # the query answers 0 for a kernel without cluster dims:
-                            cluster_slots[cs] = int(props.multi_processor_count) if cs == 1 else \
-                                _max_active_clusters(fn, cs, cfg.warps * 32, cfg.smem_bytes)   # 1 block/SM
-                    kernels[symbol] = fn
+                try:
+                    fn = module.get_function(cfg.name)
+                except Exception as e:   # noqa: BLE001 - kept, raised with what to do when it is asked for
+                    missing[cfg.name] = f"{type(e).__name__}: {e}"
+                    continue
+                if cfg.smem_bytes <= smem_optin:
+                    fn.max_dynamic_shared_size_bytes = cfg.smem_bytes
+                kernels[cfg.name] = fn
             for name in ("mla_combine", "mla_generic"):
                 kernels[name] = module.get_function(name)
             built = kernels["mla_combine"].binary_version
@@ -349,28 +284,9 @@ def _device_module(index: int, defines: tuple = ()):
                                    f"CuPy/NVRTC does not know this architecture: upgrade cupy-cuda13x")
             info = dict(arch=f"sm_{cc}" + ("a" if cc == WGMMA_ARCH else ""), cc=cc,
                         sm_count=int(props.multi_processor_count), smem_optin=smem_optin, name=props.name,
-                        missing=missing, options=options, cluster_slots=cluster_slots or None)
+                        missing=missing, options=options)
             _modules[key] = (kernels, info)
         return _modules[key]
-
-
-def _max_active_clusters(fn, cs: int, threads: int, smem: int) -> int:
-    """Clusters of `cs` blocks of `fn` that fit on the device at once (cuOccupancyMaxActiveClusters: the GPCs
-    decide, a cluster never spans two). CuPy does not wrap it; the driver library is called directly."""
-    import ctypes
-
-    class LaunchConfig(ctypes.Structure):
-        _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
-                    ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
-
-    cuda = ctypes.CDLL("libcuda.so.1")
-    n = ctypes.c_int(0)
-    cfg = LaunchConfig((1, cs, 1), (threads, 1, 1), smem, None, None, 0)
-    rc = cuda.cuOccupancyMaxActiveClusters(ctypes.byref(n), ctypes.c_void_p(fn.kernel.ptr), ctypes.byref(cfg))
-    if rc != 0:
-        raise RuntimeError(f"tree_attention: cuOccupancyMaxActiveClusters failed (CUresult {rc}) for clusters of "
-                           f"{cs}; the split plan needs it")
-    return n.value
 
 
 def device_info(device: torch.device | int | None = None) -> dict:
@@ -387,11 +303,11 @@ def kernel_attributes(device_index: int = 0, defines: tuple = ()) -> dict:
 
 
 def plan_for(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, config: Optional[str] = None,
-             num_splits: Optional[int] = None, cluster: Optional[int] = None) -> Plan:
+             num_splits: Optional[int] = None) -> Plan:
     t, h, c = q_lat.shape
     info = _device_module(q_lat.device.index)[1]
     return plan(t, h, c, q_pe.shape[2], latent.shape[0], info["sm_count"], info["smem_optin"], config, num_splits,
-                info["cc"], cluster, info["cluster_slots"])
+                info["cc"])
 
 
 _streams: dict = {}
@@ -413,7 +329,7 @@ def _cupy_stream(ptr: int, index: int):
 def tree_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, tree_mask: torch.Tensor,
                    softmax_scale: float, *, out: Optional[torch.Tensor] = None, num_splits: Optional[int] = None,
                    config: Optional[str] = None, defines: tuple = (),
-                   seq_len: Optional[torch.Tensor] = None, cluster: Optional[int] = None) -> torch.Tensor:
+                   seq_len: Optional[torch.Tensor] = None) -> torch.Tensor:
     """o_lat [T, H, C] bf16 = absorbed MLA of q_lat [T,H,C], q_pe [T,H,R] over latent [P+T, C+R] with the whole
     prefix visible and the tree rows masked by tree_mask int32 [T, ceil(T/32)] (pack_visibility).
 
@@ -421,8 +337,7 @@ def tree_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
     rows whose length only sizes the plan (splits), and the kernel reads S when it runs, so one CUDA graph
     serves every prefix up to latent.shape[0]. The caller guarantees T <= S <= latent.shape[0].
     A row that sees no key at all (P = 0 and its own bit clear) gets zeros, where the reference gives NaN.
-    `num_splits` / `config` / `cluster` (splits per thread-block cluster, wgmma only) override the plan,
-    `defines` selects a compiled variant (tests, benches)."""
+    `num_splits` / `config` override the plan, `defines` selects a compiled variant (tests, benches)."""
     t, h, c, r, s, w = _validate(q_lat, q_pe, latent, tree_mask, softmax_scale, out)
     if seq_len is not None and (not isinstance(seq_len, torch.Tensor) or seq_len.dtype != torch.int32
                                 or seq_len.numel() != 1 or seq_len.device != q_lat.device):
@@ -432,12 +347,10 @@ def tree_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
     if out is None:
         out = torch.empty((t, h, c), dtype=torch.bfloat16, device=dev)
     kernels, info = _device_module(dev.index, defines)
-    pl = plan(t, h, c, r, s, info["sm_count"], info["smem_optin"], config, num_splits, info["cc"], cluster,
-              info["cluster_slots"])
-    gone = pl.kernel if pl.kernel in info["missing"] else pl.symbol if pl.symbol in info["missing"] else None
-    if gone is not None:
-        raise RuntimeError(f"tree_attention: kernel {gone} is missing from the module built with "
-                           f"{info['options']} ({info['missing'][gone]}): this NVRTC did not compile sm_90a "
+    pl = plan(t, h, c, r, s, info["sm_count"], info["smem_optin"], config, num_splits, info["cc"])
+    if pl.kernel in info["missing"]:
+        raise RuntimeError(f"tree_attention: kernel {pl.kernel} is missing from the module built with "
+                           f"{info['options']} ({info['missing'][pl.kernel]}): this NVRTC did not compile sm_90a "
                            f"code (needs the CUDA >= 12.0 NVRTC); pass config='mla_mma_w8_m64_n64_s2' to run the "
                            f"mma.sync kernel")
     cupy = _cupy()
@@ -454,20 +367,20 @@ def tree_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
                                                    scale_log2, dyn))
             return out
         m = t * h
-        if pl.groups == 1:
+        if pl.splits == 1:
             o_part = lse = None
         else:
-            o_part = torch.empty((pl.groups, m, c), dtype=torch.float32, device=dev)   # [groups, M, C]
-            lse = torch.empty((pl.groups, m), dtype=torch.float32, device=dev)         # [groups, M] (log2)
+            o_part = torch.empty((pl.splits, m, c), dtype=torch.float32, device=dev)   # [splits, M, C]
+            lse = torch.empty((pl.splits, m), dtype=torch.float32, device=dev)         # [splits, M] (log2)
         null = np.uint64(0)
-        kernels[pl.symbol](pl.grid, pl.block,
+        kernels[pl.kernel](pl.grid, pl.block,
                            (ptr(q_lat), ptr(q_pe), ptr(latent), ptr(tree_mask), ptr(out),
                             null if o_part is None else ptr(o_part), null if lse is None else ptr(lse),
                             i32(t), i32(h), i32(p), i32(s), i32(w), i32(pl.chunk_keys), scale_log2, dyn),
                            shared_mem=pl.smem)
         if o_part is not None:
             kernels["mla_combine"]((m, c // 128, 1), (128, 1, 1), (ptr(o_part), ptr(lse), ptr(out), i32(m), i32(c),
-                                                                 i32(pl.groups)))
+                                                                 i32(pl.splits)))
     return out
 
 

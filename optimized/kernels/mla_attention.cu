@@ -593,109 +593,14 @@ __device__ __forceinline__ void rescale(float (&o)[128], float alpha0, float alp
         o[4 * n + 3] *= alpha1;
     }
 }
+}  // namespace wgm
 
-// ---- thread-block clusters (CS > 1): the splits of one row tile reduce through distributed shared memory
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
-// every thread of every block of the cluster; release/acquire orders the (remote) smem writes before it
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-// the shared::cluster address of shared::cta address `addr` in block `rank` of this cluster
-__device__ __forceinline__ unsigned map_rank(unsigned addr, unsigned rank) {
-    unsigned r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
-    return r;
-}
-__device__ __forceinline__ void st_cluster(unsigned addr, float v) {
-    asm volatile("st.shared::cluster.f32 [%0], %1;\n" :: "r"(addr), "f"(v) : "memory");
-}
-__device__ __forceinline__ void st_cluster2(unsigned addr, float a, float b) {
-    asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};\n" :: "r"(addr), "f"(a), "f"(b) : "memory");
-}
-constexpr int RED_STRIDE = 520;   // fp32 row stride of the exchanged O (2080 B: 8 rows of float2 in 2 wavefronts)
-
-// Block (row tile, split) of a cluster of CS splits, after its key chunk. Block `owner` combines rows
-// owner*RB .. +RB of the tile: every block pushes its O / l (fp32) and lse of those rows into the owner's
-// shared memory (remote stores: no round trip waits on them), slot `rank`; once all have landed, the owner adds
-// the CS slots with weights 2^(lse - max) in rank order (deterministic) and writes them: bf16 to `out` when
-// the cluster holds every split (o_part == nullptr), else one fp32 partial + lse per cluster for mla_combine.
-// The slots reuse the Q and K region, so the first barrier waits until every block of the cluster is past its
-// main loop.
-template <int CS>
-__device__ __forceinline__ void cluster_epilogue(unsigned base, const unsigned char* smem, const float (&o)[128],
-                                                 const float* sL, const float* sM, int wg, int r0, int r1, int q4,
-                                                 int tid, int row0, int M, bf16_t* __restrict__ out,
-                                                 float* __restrict__ o_part, float* __restrict__ lse_part) {
-    constexpr int RB = (BM + CS - 1) / CS;                   // rows combined by each block
-    constexpr int LSE_OFF = CS * RB * RED_STRIDE * 4;        // [CS][RB] lse after the [CS][RB] O slots
-    static_assert(LSE_OFF + CS * RB * 4 <= OFF_P, "the exchange reuses the Q and K region");
-    const unsigned rank = cluster_rank();
-    cluster_sync();
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = h ? r1 : r0;
-        const float l = sL[r];
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        const unsigned slot = rank * RB + r % RB;
-        const unsigned dst = map_rank(base + 4 * (slot * RED_STRIDE + wg * 256 + 2 * q4), r / RB);
-#pragma unroll
-        for (int n = 0; n < 32; ++n) st_cluster2(dst + 32 * n, o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
-    }
-    if (tid < BM) {
-        const float lse = sL[tid] > 0.f ? sM[tid] + __log2f(sL[tid]) : neg_inf();
-        st_cluster(map_rank(base + LSE_OFF + 4 * (rank * RB + tid % RB), tid / RB), lse);
-    }
-    cluster_sync();
-    const float* slots = reinterpret_cast<const float*>(smem);
-    const float* lses = reinterpret_cast<const float*>(smem + LSE_OFF);
-    for (int i = tid; i < RB * (MLA_C / 4); i += NTHREADS) {
-        const int rr = i / (MLA_C / 4), c4 = i % (MLA_C / 4), r = (int)rank * RB + rr, m = row0 + r;
-        if (r >= BM || m >= M) break;                        // rows only grow with i
-        float lse[CS], mx = neg_inf();
-#pragma unroll
-        for (int s = 0; s < CS; ++s) {
-            lse[s] = lses[s * RB + rr];
-            mx = fmaxf(mx, lse[s]);
-        }
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        float den = 0.f;
-        if (mx != neg_inf()) {
-#pragma unroll
-            for (int s = 0; s < CS; ++s) {
-                const float wt = exp2f(lse[s] - mx);
-                const float4 v = *reinterpret_cast<const float4*>(slots + (s * RB + rr) * RED_STRIDE + 4 * c4);
-                acc.x += wt * v.x;
-                acc.y += wt * v.y;
-                acc.z += wt * v.z;
-                acc.w += wt * v.w;
-                den += wt;
-            }
-        }
-        const float inv = den > 0.f ? 1.f / den : 0.f;
-        if (o_part == nullptr) {
-            uint2 packed;
-            packed.x = pack_bf16x2(acc.x * inv, acc.y * inv);
-            packed.y = pack_bf16x2(acc.z * inv, acc.w * inv);
-            *reinterpret_cast<uint2*>(out + (long long)m * MLA_C + 4 * c4) = packed;
-        } else {
-            const int group = blockIdx.y / CS;
-            *reinterpret_cast<float4*>(o_part + ((long long)group * M + m) * MLA_C + 4 * c4) =
-                make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
-            if (c4 == 0) lse_part[(long long)group * M + m] = den > 0.f ? mx + __log2f(den) : neg_inf();
-        }
-    }
-}
-
-template <int CS>
-__device__ __forceinline__ void wgmma_body(
+extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
     const bf16_t* __restrict__ q_lat, const bf16_t* __restrict__ q_pe, const bf16_t* __restrict__ latent,
     const unsigned* __restrict__ tree_mask, bf16_t* __restrict__ out, float* __restrict__ o_part,
     float* __restrict__ lse_part, int T, int H, int P, int S, int words, int chunk_keys, float scale_log2,
     const int* __restrict__ seq_len) {
+    using namespace wgm;
     if (seq_len != nullptr) {   // graph mode as graph_shape; inline: the call renames registers (other SASS)
         S = __ldg(seq_len);
         P = S - T;
@@ -833,53 +738,28 @@ __device__ __forceinline__ void wgmma_body(
         }
     }
     __syncthreads();
-    if constexpr (CS > 1) {
-        cluster_epilogue<CS>(base, smem, o, sL, sM, wg, r0, r1, q4, tid, row0, M, out, o_part, lse_part);
-    } else {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = h ? r1 : r0, m = row0 + r;
-            const float l = sL[r];
-            const float inv = l > 0.f ? 1.f / l : 0.f;
-            if (m >= M) continue;
-            if (o_part == nullptr) {
-                bf16_t* dst = out + (long long)m * MLA_C + wg * 256 + 2 * q4;
+    for (int h = 0; h < 2; ++h) {
+        const int r = h ? r1 : r0, m = row0 + r;
+        const float l = sL[r];
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        if (m >= M) continue;
+        if (o_part == nullptr) {
+            bf16_t* dst = out + (long long)m * MLA_C + wg * 256 + 2 * q4;
 #pragma unroll
-                for (int n = 0; n < 32; ++n)
-                    *reinterpret_cast<unsigned*>(dst + n * 8) =
-                        pack_bf16x2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
-            } else {
-                float* dst = o_part + ((long long)split * M + m) * MLA_C + wg * 256 + 2 * q4;
+            for (int n = 0; n < 32; ++n)
+                *reinterpret_cast<unsigned*>(dst + n * 8) =
+                    pack_bf16x2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
+        } else {
+            float* dst = o_part + ((long long)split * M + m) * MLA_C + wg * 256 + 2 * q4;
 #pragma unroll
-                for (int n = 0; n < 32; ++n)
-                    *reinterpret_cast<float2*>(dst + n * 8) =
-                        make_float2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
-                if (wg == 0 && q4 == 0) lse_part[(long long)split * M + m] = l > 0.f ? sM[r] + __log2f(l) : neg_inf();
-            }
+            for (int n = 0; n < 32; ++n)
+                *reinterpret_cast<float2*>(dst + n * 8) =
+                    make_float2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
+            if (wg == 0 && q4 == 0) lse_part[(long long)split * M + m] = l > 0.f ? sM[r] + __log2f(l) : neg_inf();
         }
     }
 }
-}  // namespace wgm
-
-#define MLA_WGMMA_ARGS                                                                                      \
-    const bf16_t* __restrict__ q_lat, const bf16_t* __restrict__ q_pe, const bf16_t* __restrict__ latent,   \
-        const unsigned* __restrict__ tree_mask, bf16_t* __restrict__ out, float* __restrict__ o_part,       \
-        float* __restrict__ lse_part, int T, int H, int P, int S, int words, int chunk_keys,                \
-        float scale_log2, const int* __restrict__ seq_len
-#define MLA_WGMMA_CALL(CS) wgm::wgmma_body<CS>(q_lat, q_pe, latent, tree_mask, out, o_part, lse_part, T, H, P, S, \
-                                               words, chunk_keys, scale_log2, seq_len)
-extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(MLA_WGMMA_ARGS) { MLA_WGMMA_CALL(1); }
-// clusters of CS splits along gridDim.y (compile-time cluster shape: a plain launch honors it)
-#define MLA_WGMMA_CLUSTER(CS)                                                                               \
-    extern "C" __global__ void __cluster_dims__(1, CS, 1) __launch_bounds__(256, 1)                          \
-        mla_wgmma_m64_n64_c##CS(MLA_WGMMA_ARGS) { MLA_WGMMA_CALL(CS); }
-MLA_WGMMA_CLUSTER(2)
-MLA_WGMMA_CLUSTER(3)
-MLA_WGMMA_CLUSTER(4)
-MLA_WGMMA_CLUSTER(5)
-MLA_WGMMA_CLUSTER(6)
-MLA_WGMMA_CLUSTER(7)
-MLA_WGMMA_CLUSTER(8)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // ---- split-KV merge ----------------------------------------------------------------------------------
