@@ -47,6 +47,8 @@ def main():
         ("tree T=200 H=8 P=10 splits=7", 200, 8, 10, "random", dict(num_splits=7)),
         ("w4 config T=9 P=333", 9, 64, 333, "random", dict(config="mla_mma_w4_m32_n32_s1")),
         ("mma w8 T=65 P=4097", 65, 64, 4097, "random", dict(config="mla_mma_w8_m64_n64_s2")),
+        ("wgmma serial T=65 P=4097", 65, 64, 4097, "random", dict(config="mla_wgmma_m64_n64")),
+        ("tree T=33 P=8000 splits=1", 33, 64, 8000, "random", dict(num_splits=1)),
         ("decode P=131072 auto", 1, 64, 131072, "chain", {}),
         ("tree T=1025 H=64 P=129", 1025, 64, 129, "random", {}),
         ("tree T=64 H=128 P=777", 64, 128, 777, "random", {}),
@@ -82,7 +84,7 @@ def main():
                 print(localize(out.nan_to_num(1e3), ref64))
     variants = {  # name: (config, defines); config None = the plan's choice (wgmma on 9.0)
         "wgmma": (None, ()), "wgmma_plain": (None, ("MLA_SKIP_RESCALE=0", "MLA_FAST_EXP2=0")),
-        "mma": ("mla_mma_w8_m64_n64_s2", ())}
+        "wgmma_serial": ("mla_wgmma_m64_n64", ()), "mma": ("mla_mma_w8_m64_n64_s2", ())}
     shapes = [(1, 8192), (1, 131072), (33, 8192), (33, 32768), (257, 8192)]
     cases = {sh: mc.make_case(sh[0], 64, sh[1], seed=sh[0]) for sh in shapes}
     score = {}

@@ -21,6 +21,8 @@ from optimized.mla_attention import pack_visibility, unpack_visibility, plan, tr
 
 H200 = dict(sm_count=132, smem_optin=232448)          # plan() without cc: a 9.0-less device (no wgmma)
 MMA_W8 = "mla_mma_w8_m64_n64_s2"
+WGMMA_PAIR = "mla_wgmma_pair"          # the default on compute capability 9.0
+WGMMA_SERIAL = "mla_wgmma_m64_n64"      # the one-tile-at-a-time wgmma kernel it replaces (kept for A/B)
 
 
 def _default_backend() -> str:
@@ -91,10 +93,12 @@ def test_validation_too_long_and_scale():
 
 @given(t=st.integers(1, 1025), h=st.sampled_from([1, 4, 64, 128]), p=st.integers(0, 140_000))
 def test_plan_covers_keys(t, h, p):
-    for cc, backend, kernel in ((0, "mma", MMA_W8), (90, "wgmma", "mla_wgmma_m64_n64")):
+    for cc, backend, kernel in ((0, "mma", MMA_W8), (90, "wgmma", WGMMA_PAIR)):
         pl = plan(t, h, 512, 64, p + t, **H200, cc=cc)
         assert pl.backend == backend and pl.kernel == kernel and pl.smem <= H200["smem_optin"]
         assert pl.chunk_keys % 64 == 0 and 1 <= pl.splits <= mla.MAX_SPLITS
+        if kernel == WGMMA_PAIR and pl.splits > 1:
+            assert pl.chunk_keys // 64 % 2 == 0            # the pair kernel's splits hold whole tile pairs
         assert (pl.splits - 1) * pl.chunk_keys < p + t <= pl.splits * pl.chunk_keys     # no empty split, all keys
         assert pl.grid == (-(-t * h // 64), pl.splits, 1) and pl.block == (256, 1, 1)
 
@@ -110,8 +114,11 @@ def test_plan_backends_and_configs():
     assert plan(1, 64, 512, 64, 100, **H200, cc=90, config=MMA_W8).backend == "mma"   # mma.sync on Hopper
     assert plan(1, 64, 512, 64, 100, sm_count=188, smem_optin=101376, cc=120).kernel == "mla_mma_w4_m32_n32_s1"
     with pytest.raises(ValueError, match="compute capability 9.0 only"):
-        plan(1, 64, 512, 64, 100, **H200, cc=120, config="mla_wgmma_m64_n64")
-    assert mla.CONFIGS["mla_wgmma_m64_n64"].smem_bytes == 231424 <= H200["smem_optin"]
+        plan(1, 64, 512, 64, 100, **H200, cc=120, config=WGMMA_SERIAL)
+    assert mla.CONFIGS[WGMMA_SERIAL].smem_bytes == 231424 <= H200["smem_optin"]
+    assert mla.CONFIGS[WGMMA_PAIR].smem_bytes == 231936 <= H200["smem_optin"]
+    assert plan(1, 64, 512, 64, 64 * 9, **H200, cc=90, num_splits=4).chunk_keys == 256    # 9 tiles: 4+4+1
+    assert plan(1, 64, 512, 64, 64 * 9, **H200, cc=90, config=WGMMA_SERIAL, num_splits=4).chunk_keys == 192   # 3+3+3
 
 
 # ---- CPU: the .cu builds for both target architectures ---------------------------------------------------
@@ -144,6 +151,7 @@ def test_nvcc_builds(arch, tmp_path):
     assert res.returncode == 0, res.stderr
     spills = _check_ptxas_report(arch, res.stderr)
     assert max(spills.values()) <= 64, f"register spills grew: {res.stderr}"
+    assert all(spills[k] == 0 for k in spills if "wgmma" in k), f"a wgmma kernel spills: {res.stderr}"
 
 
 def _nvrtc_build(arch: str) -> str:
@@ -189,12 +197,15 @@ CASES = [  # (T, H, prefix, kind)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, MMA_W8])
+@pytest.mark.parametrize("config", [None, WGMMA_SERIAL, MMA_W8])
 @pytest.mark.parametrize("t, h, prefix, kind", CASES)
 def test_matches_reference(t, h, prefix, kind, config):
-    """The plan's kernel (wgmma on 9.0) and the mma.sync kernel, which 9.0 runs only when asked."""
+    """The plan's kernel (the wgmma pair kernel on 9.0), the one-tile wgmma kernel and the mma.sync kernel,
+    which 9.0 runs only when asked."""
+    if config == WGMMA_SERIAL and _default_backend() != "wgmma":
+        pytest.skip("the wgmma kernels exist on compute capability 9.0 only")
     case = mc.make_case(t, h, prefix, kind=kind, seed=t * 1000 + prefix)
-    want = _default_backend() if config is None else "mma"
+    want = _default_backend() if config is None else mla.CONFIGS[config].kind
     assert mla.plan_for(case.q_lat, case.q_pe, case.latent, config=config).backend == want
     out = tree_attention(case.q_lat, case.q_pe, case.latent, case.tree_mask, case.scale, config=config)
     mc.check_policy(out, mc.reference_f64(case), mc.reference_bf16(case), f"T={t} H={h} P={prefix} {kind} {want}")
@@ -290,7 +301,7 @@ def test_missing_wgmma_kernel_raises(monkeypatch):
         pytest.skip("the wgmma kernel exists on compute capability 9.0 only")
     case = mc.make_case(9, 64, 100, seed=4)
     args = (case.q_lat, case.q_pe, case.latent, case.tree_mask, case.scale)
-    monkeypatch.setitem(mla.device_info()["missing"], "mla_wgmma_m64_n64", "simulated")
+    monkeypatch.setitem(mla.device_info()["missing"], WGMMA_PAIR, "simulated")
     with pytest.raises(RuntimeError, match="did not compile sm_90a code"):
         tree_attention(*args)
     out = tree_attention(*args, config=MMA_W8)

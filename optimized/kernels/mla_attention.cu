@@ -762,6 +762,407 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
+// ---- seesaw wgmma kernel (sm_90a) -----------------------------------------------------------------------
+// mla_wgmma_pair: the wgmma kernel's tiles and operands, with the key tiles taken in pairs so that each
+// warpgroup's softmax runs under the other warpgroup's MMAs (the schedule of FlashMLA's sm90 decode kernel,
+// deepseek-ai/FlashMLA docs/20250422). Warpgroup 0 owns O_L (output columns 0-255) and the QK of the even tile
+// (buffer 0), warpgroup 1 owns O_R (columns 256-511) and the QK of the odd tile (buffer 1). The running row
+// max m is shared through smem. Per pair, m_prev the max before it:
+//   wg0: S0 = Q K0^T; m0 = max(m_prev, rowmax S0); P0 = 2^(S0 - m0); O_L = O_L * 2^(m_prev-m0) + P0 V0_L (P0 from
+//        registers)                                             -> m0, scale0 to smem (BAR_SCALE0)
+//   wg1: S1 = Q K1^T; m1 = max(m0, rowmax S1); P1 = 2^(S1 - m1) -> m1, scale1 = 2^(m0-m1), P1 to smem (BAR_P1);
+//        O_R = O_R * scale0 * scale1 + P1 V1_R (registers)
+//   wg0: P0 *= scale1 -> smem (BAR_P0); O_L = O_L * scale1 + P1 V1_L
+//   wg1: O_R += P0 V0_R
+// The row sums are kept per warpgroup (of the tiles whose softmax it ran) and added at the end. An odd last tile
+// is paired with a zero-filled, fully masked one.
+// Loads: Q's rope panel (channels 512-575) lives in registers (16 per thread, the A operand of the 4 rope
+// k-steps), which frees its 8 KB of smem for P1. K tiles are refilled in three panel groups, each as soon as the
+// MMAs that read it have retired, by cp.async tracked on an mbarrier per (buffer, group) (count 128: the
+// warpgroup that issues that group; no TMA, CuPy exposes no tensor-map encode):
+//   panels 0-3 (V_L)   by wg0, after its PV on V_L
+//   panels 4-7 (V_R)   by wg1, after its PV on V_R
+//   panel 8 (rope)     by the buffer's QK warpgroup, after its QK
+// and each QK reads the group refilled first first: wg0 rope, L, R; wg1 rope, R, L.
+// smem: Q 72 KB (panel 8 = P1) + 2 K stages 144 KB + P0 8 KB + stats and mbarriers 1.5 KB + 1 KB slack.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+namespace wgp {
+using wgm::PANEL;
+using wgm::TILE;
+constexpr int OFF_K = TILE, OFF_P1 = 8 * PANEL, OFF_P0 = 3 * TILE, OFF_STATS = 3 * TILE + 64 * 64 * 2;
+constexpr int OFF_MBAR = OFF_STATS + 5 * 64 * 4;
+constexpr int SMEM = OFF_STATS + 1536 + 1024;   // mirrored by KernelConfig.smem_bytes
+static_assert(SMEM <= 232448, "must fit the 227 KB opt-in of H100/H200");
+enum { G_L = 0, G_R = 1, G_ROPE = 2 };
+enum { BAR_SCALE0 = 1, BAR_P1 = 2, BAR_P0 = 3 };
+
+// a value the compiler cannot see through: keeps loop-invariant smem descriptors from being hoisted into
+// (and held in) registers across the whole loop
+__device__ __forceinline__ unsigned opaque(unsigned x) {
+    asm volatile("mov.b32 %0, %0;\n" : "+r"(x));
+    return x;
+}
+
+__device__ __forceinline__ void mbar_init(unsigned addr, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(addr), "r"(count) : "memory");
+}
+// arrives on the mbarrier when every cp.async this thread issued so far has landed
+__device__ __forceinline__ void cp_async_arrive(unsigned addr) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(addr) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned addr, unsigned parity) {
+    asm volatile(
+        "{\n.reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" :: "r"(addr), "r"(parity) : "memory");
+}
+
+// 16-B chunks of panels P0 .. P0+NP-1 of a 64-key tile, thread t of 128 (one row's panels are contiguous in
+// global memory, so consecutive threads read consecutive chunks); rows past key_end are zero-filled
+template <int P0, int NP>
+__device__ __forceinline__ void load_panels(unsigned dst, const bf16_t* __restrict__ latent, int k0, int key_end,
+                                            int t) {
+#pragma unroll
+    for (int j = 0; j < NP * 4; ++j) {
+        const int i = t + j * 128, r = i / (NP * 8), c = P0 * 8 + i % (NP * 8), key = k0 + r;
+        const bool ok = key < key_end;
+        cp_async16(dst + wgm::panel_off(r, c), ok ? latent + (long long)key * MLA_L + c * 8 : latent, ok ? 16 : 0);
+    }
+}
+
+#define WG_F8(b) "+f"(d[b]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), "+f"(d[b + 4]), "+f"(d[b + 5]), \
+                 "+f"(d[b + 6]), "+f"(d[b + 7])
+#define WG_D128 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                               \
+                "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"                     \
+                "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"                     \
+                "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"                     \
+                "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"                     \
+                "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"                     \
+                "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"         \
+                "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}"
+// D[64 x 256] += A[64 x 16] (registers: the m64k16 A fragment) B[16 x 256] (smem, MN-major: .trans)
+__device__ __forceinline__ void mma_n256_rs(float (&d)[128], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                            unsigned long long b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " WG_D128 ", {%128,%129,%130,%131}, %132, p, 1, 1, 1;\n}\n"
+        : WG_F8(0), WG_F8(8), WG_F8(16), WG_F8(24), WG_F8(32), WG_F8(40), WG_F8(48), WG_F8(56),
+          WG_F8(64), WG_F8(72), WG_F8(80), WG_F8(88), WG_F8(96), WG_F8(104), WG_F8(112), WG_F8(120)
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b), "n"(1));
+}
+#undef WG_D128
+#undef WG_F8
+// D[64 x 64] (+)= A[64 x 16] (registers) B[16 x 64] (smem, K-major)
+__device__ __forceinline__ void mma_n64_rs(float (&d)[32], const unsigned (&a)[4], unsigned long long b, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
+}
+
+// S = Q K^T of one 64-key tile (buffer kb): the rope k-steps from registers first, then the 64-channel panel
+// groups in the order given (each waited for on its mbarrier, then made visible to the async proxy)
+template <int FIRST, int SECOND>
+__device__ __forceinline__ void qk(float (&s)[32], const unsigned (&rq)[4][4], unsigned sQa, unsigned kb,
+                                   unsigned mbar, unsigned parity) {
+    using namespace wgm;
+    // descriptors advance by (byte offset >> 4) in their start-address field
+    const unsigned long long dq = desc(sQa, 16, 1024), dk = desc(kb, 16, 1024);
+    mbar_wait(mbar + 8 * G_ROPE, parity);
+    fence_async_smem();
+    fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) mma_n64_rs(s, rq[kk], dk + ((8 * PANEL + kk * 32) >> 4), kk > 0);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int grp = half ? SECOND : FIRST;
+        mbar_wait(mbar + 8 * grp, parity);
+        fence_async_smem();
+        fence();
+#pragma unroll
+        for (int kk = 0; kk < 16; ++kk) {
+            const int k = grp * 16 + kk, off = ((k >> 2) * PANEL + (k & 3) * 32) >> 4;
+            mma_n64(s, dq + off, dk + off, 1);
+        }
+    }
+    commit();
+}
+
+// scale_log2, the tree mask and the key range applied to S in place; returns the row maxima (rows r0, r1)
+__device__ __forceinline__ void mask_rowmax(float (&s)[32], float scale_log2, const unsigned* __restrict__ mask,
+                                            int words, int t0, int t1, int key0, int P, int key_end, int q4,
+                                            float& mx0, float& mx1) {
+    const bool need_mask = key0 + 64 > P || key0 + 64 > key_end;
+    mx0 = neg_inf();
+    mx1 = neg_inf();
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float x = s[4 * n + e] * scale_log2;
+            if (need_mask) {
+                const int key = key0 + n * 8 + 2 * q4 + (e & 1);
+                if (!key_visible(mask, words, e < 2 ? t0 : t1, key, P, key_end)) x = neg_inf();
+            }
+            s[4 * n + e] = x;
+        }
+        mx0 = fmaxf(mx0, fmaxf(s[4 * n], s[4 * n + 1]));
+        mx1 = fmaxf(mx1, fmaxf(s[4 * n + 2], s[4 * n + 3]));
+    }
+    mx0 = quad_max(mx0);
+    mx1 = quad_max(mx1);
+}
+
+// P = 2^(S - mu) in place (fp32), packed to bf16 pairs (the A fragment layout), row sums added to l0, l1
+__device__ __forceinline__ void exp_pack(float (&s)[32], unsigned (&pk)[16], float mu0, float mu1, float& l0,
+                                         float& l1) {
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+        s[4 * n] = softmax_exp2(s[4 * n] - mu0);
+        s[4 * n + 1] = softmax_exp2(s[4 * n + 1] - mu0);
+        s[4 * n + 2] = softmax_exp2(s[4 * n + 2] - mu1);
+        s[4 * n + 3] = softmax_exp2(s[4 * n + 3] - mu1);
+        l0 += s[4 * n] + s[4 * n + 1];
+        l1 += s[4 * n + 2] + s[4 * n + 3];
+        pk[2 * n] = pack_bf16x2(s[4 * n], s[4 * n + 1]);
+        pk[2 * n + 1] = pack_bf16x2(s[4 * n + 2], s[4 * n + 3]);
+    }
+}
+
+// P (bf16 pairs) -> a 64 x 64 K-major 128-B-swizzled smem tile, made visible to the async proxy
+__device__ __forceinline__ void store_p(unsigned char* sp, const unsigned (&pk)[16], int r0, int r1, int q4) {
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+        *reinterpret_cast<unsigned*>(sp + r0 * 128 + (((n ^ r0) & 7) << 4) + 4 * q4) = pk[2 * n];
+        *reinterpret_cast<unsigned*>(sp + r1 * 128 + (((n ^ r1) & 7) << 4) + 4 * q4) = pk[2 * n + 1];
+    }
+    wgm::fence_async_smem();
+}
+
+// O[64 x 256] += P V_half over one tile: P from registers (pk) or from smem (sp), V = panels 4*half.. of kb
+__device__ __forceinline__ void pv_rs(float (&o)[128], const unsigned (&pk)[16], unsigned vb) {
+    using namespace wgm;
+    pin(o);
+    fence();
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+        mma_n256_rs(o, pk[4 * k], pk[4 * k + 1], pk[4 * k + 2], pk[4 * k + 3], desc(vb + k * 16 * 128, PANEL, 1024));
+    commit();
+}
+__device__ __forceinline__ void pv_ss(float (&o)[128], unsigned sp, unsigned vb) {
+    using namespace wgm;
+    pin(o);
+    fence();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) mma_n256_bt(o, desc(sp + k * 32, 16, 1024), desc(vb + k * 16 * 128, PANEL, 1024));
+    commit();
+}
+}  // namespace wgp
+
+extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
+    const bf16_t* __restrict__ q_lat, const bf16_t* __restrict__ q_pe, const bf16_t* __restrict__ latent,
+    const unsigned* __restrict__ tree_mask, bf16_t* __restrict__ out, float* __restrict__ o_part,
+    float* __restrict__ lse_part, int T, int H, int P, int S, int words, int chunk_keys, float scale_log2,
+    const int* __restrict__ seq_len) {
+    using namespace wgm;
+    using namespace wgp;
+    if (seq_len != nullptr) {   // graph mode as graph_shape
+        S = __ldg(seq_len);
+        P = S - T;
+        chunk_keys = ((S + BN - 1) / BN + (int)gridDim.y - 1) / (int)gridDim.y * BN;
+    }
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const unsigned raw = smem_addr(smem_raw);
+    const unsigned base = (raw + 1023u) & ~1023u;
+    unsigned char* smem = smem_raw + (base - raw);
+    const unsigned sQa0 = base, sKa0 = base + wgp::OFF_K, sP0a0 = base + OFF_P0, sP1a0 = base + OFF_P1;
+    const unsigned mbar0 = base + OFF_MBAR, mbar1 = mbar0 + 24;   // (buffer, group) at + 24 * buffer + 8 * group
+    float* sM = reinterpret_cast<float*>(smem + wgp::OFF_STATS);   // [64] running max (m0, then m1)
+    float* sScale0 = sM + BM;                                       // [64]
+    float* sScale1 = sScale0 + BM;                                  // [64]
+    float* sL = sScale1 + BM;                                       // [2][64] row sums per warpgroup
+
+    const int tid = threadIdx.x, wg = tid >> 7, wq = (tid >> 5) & 3, lane = tid & 31, lt = tid & 127;
+    const int g = lane >> 2, q4 = lane & 3;
+    const int r0 = wq * 16 + g, r1 = r0 + 8;
+    const int M = T * H, row0 = blockIdx.x * BM, split = blockIdx.y;
+    const int key_begin = split * chunk_keys, key_end = min(S, key_begin + chunk_keys);
+    const int n_tiles = max(0, (key_end - key_begin + BN - 1) / BN), n_pairs = (n_tiles + 1) / 2;
+    const int t0 = min((row0 + r0) / H, T - 1), t1 = min((row0 + r1) / H, T - 1);
+
+    if (tid < 6) mbar_init(mbar0 + 8 * tid, 128);
+    load_q_rows<panel_off>(sQa0, q_lat, q_pe, BM, row0, M, tid, NTHREADS);
+    cp_async_commit();
+    __syncthreads();   // mbarriers initialized
+    // group `grp` of tile `tile` -> buffer `buf`, by the 128 threads of the calling warpgroup (none past the pairs)
+    auto fill = [&](int buf, int grp, int tile) {
+        if (tile >= 2 * n_pairs) return;
+        const unsigned dst = sKa0 + buf * TILE;
+        const int k0 = key_begin + tile * BN;
+        if (grp == G_L) load_panels<0, 4>(dst, latent, k0, key_end, lt);
+        else if (grp == G_R) load_panels<4, 4>(dst, latent, k0, key_end, lt);
+        else load_panels<8, 1>(dst, latent, k0, key_end, lt);
+        cp_async_arrive((buf ? mbar1 : mbar0) + 8 * grp);
+    };
+    if (wg == 0) {
+        fill(0, G_ROPE, 0);
+        fill(0, G_L, 0);
+        fill(1, G_L, 1);
+    } else {
+        fill(1, G_ROPE, 1);
+        fill(1, G_R, 1);
+        fill(0, G_R, 0);
+    }
+    cp_async_wait_all();   // the Q group (the K loads are not in a group: their mbarriers track them)
+    fence_async_smem();
+    __syncthreads();       // Q landed for everyone
+    unsigned rq[4][4];     // Q's rope panel: the A fragments of k-steps 32..35
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) ldsm_x4(rq[kk], sQa0 + panel_off(wq * 16 + (lane & 15), 64 + 2 * kk + (lane >> 4)));
+
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    float s[32];
+    unsigned pk[16];
+    float m_run0 = neg_inf(), m_run1 = neg_inf(), l0 = 0.f, l1 = 0.f;
+
+    for (int i = 0; i < n_pairs; ++i) {
+        const unsigned par = i & 1, sKa = opaque(sKa0), sQa = opaque(sQa0), sP0a = opaque(sP0a0),
+                       sP1a = opaque(sP1a0);
+        if (wg == 0) {
+            // ---- even tile: S0, softmax against the running max, O_L += P0 V0_L
+            qk<G_L, G_R>(s, rq, sQa, sKa, mbar0, par);
+            wait<0>();   // also retires the previous pair's P1 V1_L
+            pin(s);
+            pin(o);
+            fill(0, G_ROPE, 2 * i + 2);
+            float mx0, mx1, mu0, mu1;
+            mask_rowmax(s, scale_log2, tree_mask, words, t0, t1, key_begin + 2 * i * BN, P, key_end, q4, mx0, mx1);
+            const float sc0 = online_step(m_run0, l0, mx0, mu0), sc1 = online_step(m_run1, l1, mx1, mu1);
+            exp_pack(s, pk, mu0, mu1, l0, l1);
+            if (q4 == 0) {
+                sM[r0] = m_run0;
+                sM[r1] = m_run1;
+                sScale0[r0] = sc0;
+                sScale0[r1] = sc1;
+            }
+            bar_arrive(BAR_SCALE0);
+            rescale(o, sc0, sc1);
+            pv_rs(o, pk, sKa);
+            // ---- odd tile's max from warpgroup 1: P0 rescaled to it -> smem, O_L += P1 V1_L
+            bar_sync(BAR_P1);
+            const float a0 = sScale1[r0], a1 = sScale1[r1];
+            m_run0 = sM[r0];
+            m_run1 = sM[r1];
+            l0 *= a0;
+            l1 *= a1;
+#pragma unroll
+            for (int n = 0; n < 8; ++n) {
+                s[4 * n] *= a0;
+                s[4 * n + 1] *= a0;
+                s[4 * n + 2] *= a1;
+                s[4 * n + 3] *= a1;
+            }
+            wait<0>();   // P0 V0_L retired: pk and O_L are free, panels 0-3 of buffer 0 too
+            pin(o);
+            fill(0, G_L, 2 * i + 2);
+#pragma unroll
+            for (int n = 0; n < 8; ++n) {
+                pk[2 * n] = pack_bf16x2(s[4 * n], s[4 * n + 1]);
+                pk[2 * n + 1] = pack_bf16x2(s[4 * n + 2], s[4 * n + 3]);
+            }
+            store_p(smem + OFF_P0, pk, r0, r1, q4);
+            bar_arrive(BAR_P0);
+            rescale(o, a0, a1);
+            mbar_wait(mbar1 + 8 * G_L, par);   // filled by this warpgroup, read by its own MMA now
+            fence_async_smem();
+            pv_ss(o, sP1a, sKa + TILE);
+            wait<0>();
+            pin(o);
+            fill(1, G_L, 2 * i + 3);
+        } else {
+            // ---- odd tile: S1, softmax against warpgroup 0's max, P1 -> smem, O_R += P1 V1_R
+            qk<G_R, G_L>(s, rq, sQa, sKa + TILE, mbar1, par);
+            wait<0>();
+            pin(s);
+            pin(o);
+            fill(1, G_ROPE, 2 * i + 3);
+            float mx0, mx1, mu0, mu1;
+            mask_rowmax(s, scale_log2, tree_mask, words, t0, t1, key_begin + (2 * i + 1) * BN, P, key_end, q4, mx0,
+                        mx1);
+            bar_sync(BAR_SCALE0);
+            const float b0 = sScale0[r0], b1 = sScale0[r1];
+            m_run0 = sM[r0];
+            m_run1 = sM[r1];
+            l0 *= b0;
+            l1 *= b1;
+            const float sc0 = online_step(m_run0, l0, mx0, mu0), sc1 = online_step(m_run1, l1, mx1, mu1);
+            exp_pack(s, pk, mu0, mu1, l0, l1);
+            if (q4 == 0) {
+                sM[r0] = m_run0;
+                sM[r1] = m_run1;
+                sScale1[r0] = sc0;
+                sScale1[r1] = sc1;
+            }
+            store_p(smem + OFF_P1, pk, r0, r1, q4);
+            bar_arrive(BAR_P1);
+            rescale(o, b0 * sc0, b1 * sc1);
+            pv_rs(o, pk, sKa + TILE + 4 * PANEL);
+            // ---- O_R += P0 V0_R
+            bar_sync(BAR_P0);
+            mbar_wait(mbar0 + 8 * G_R, par);
+            fence_async_smem();
+            pv_ss(o, sP0a, sKa + 4 * PANEL);
+            wait<1>();   // P1 V1_R retired: panels 4-7 of buffer 1 are free
+            fill(1, G_R, 2 * i + 3);
+            wait<0>();
+            pin(o);
+            fill(0, G_R, 2 * i + 2);
+        }
+    }
+    wait<0>();
+    pin(o);
+
+    l0 = quad_sum(l0);
+    l1 = quad_sum(l1);
+    if (q4 == 0) {
+        sL[wg * BM + r0] = l0;
+        sL[wg * BM + r1] = l1;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = h ? r1 : r0, m = row0 + r;
+        const float l = sL[r] + sL[BM + r];
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        if (m >= M) continue;
+        if (o_part == nullptr) {
+            bf16_t* dst = out + (long long)m * MLA_C + wg * 256 + 2 * q4;
+#pragma unroll
+            for (int n = 0; n < 32; ++n)
+                *reinterpret_cast<unsigned*>(dst + n * 8) =
+                    pack_bf16x2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
+        } else {
+            float* dst = o_part + ((long long)split * M + m) * MLA_C + wg * 256 + 2 * q4;
+#pragma unroll
+            for (int n = 0; n < 32; ++n)
+                *reinterpret_cast<float2*>(dst + n * 8) =
+                    make_float2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
+            if (wg == 0 && q4 == 0) lse_part[(long long)split * M + m] = l > 0.f ? sM[r] + __log2f(l) : neg_inf();
+        }
+    }
+}
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
 // ---- split-KV merge ----------------------------------------------------------------------------------
 // grid (M, C/128), block 128: out[m, c..c+3] = sum_s 2^(lse_s - max) O_s[m, c..c+3] / sum_s 2^(lse_s - max),
 // c = blockIdx.y*128 + 4*lane; warp w sums the splits w, w+4, ... and the four warps meet in smem. A decode step
