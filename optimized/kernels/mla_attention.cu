@@ -786,6 +786,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
 // and each QK reads the group refilled first first: wg0 rope, L, R; wg1 rope, R, L.
 // smem: Q 72 KB (panel 8 = P1) + 2 K stages 144 KB + P0 8 KB + stats and mbarriers 1.5 KB + 1 KB slack.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#ifndef MLA_TRACE
+#define MLA_TRACE 0              // clock64 stamps of one block's schedule (bench/mla_trace.py), never in serving builds
+#endif
+#ifndef MLA_PAIR_NOLOAD
+#define MLA_PAIR_NOLOAD 0        // experiment only (wrong results): K refills skipped, to time the schedule alone
+#endif
+#if MLA_TRACE
+__device__ long long mla_trace[2][64][16];   // [warpgroup][pair][event]
+#define TRACE(e) \
+    if (tracing && i < 64) mla_trace[wg][i][e] = clock64();
+#else
+#define TRACE(e)
+#endif
 namespace wgp {
 using wgm::PANEL;
 using wgm::TILE;
@@ -872,11 +885,12 @@ __device__ __forceinline__ void mma_n64_rs(float (&d)[32], const unsigned (&a)[4
 // groups in the order given (each waited for on its mbarrier, then made visible to the async proxy)
 template <int FIRST, int SECOND>
 __device__ __forceinline__ void qk(float (&s)[32], const unsigned (&rq)[4][4], unsigned sQa, unsigned kb,
-                                   unsigned mbar, unsigned parity) {
+                                   unsigned mbar, unsigned parity, long long* tr) {
     using namespace wgm;
     // descriptors advance by (byte offset >> 4) in their start-address field
     const unsigned long long dq = desc(sQa, 16, 1024), dk = desc(kb, 16, 1024);
     mbar_wait(mbar + 8 * G_ROPE, parity);
+    if (MLA_TRACE && tr) tr[8] = clock64();
     fence_async_smem();
     fence();
 #pragma unroll
@@ -885,6 +899,7 @@ __device__ __forceinline__ void qk(float (&s)[32], const unsigned (&rq)[4][4], u
     for (int half = 0; half < 2; ++half) {
         const int grp = half ? SECOND : FIRST;
         mbar_wait(mbar + 8 * grp, parity);
+        if (MLA_TRACE && tr) tr[9 + half] = clock64();
         fence_async_smem();
         fence();
 #pragma unroll
@@ -1007,7 +1022,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
         if (tile >= 2 * n_pairs) return;
         const unsigned dst = sKa0 + buf * TILE;
         const int k0 = key_begin + tile * BN;
-        if (grp == G_L) load_panels<0, 4>(dst, latent, k0, key_end, lt);
+        if (MLA_PAIR_NOLOAD && tile > 1) {
+        } else if (grp == G_L) load_panels<0, 4>(dst, latent, k0, key_end, lt);
         else if (grp == G_R) load_panels<4, 4>(dst, latent, k0, key_end, lt);
         else load_panels<8, 1>(dst, latent, k0, key_end, lt);
         cp_async_arrive((buf ? mbar1 : mbar0) + 8 * grp);
@@ -1034,14 +1050,24 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
     float s[32];
     unsigned pk[16];
     float m_run0 = neg_inf(), m_run1 = neg_inf(), l0 = 0.f, l1 = 0.f;
+#if MLA_TRACE
+    const bool tracing = lt == 0 && blockIdx.x == gridDim.x / 2 && blockIdx.y == 0;
+#endif
 
     for (int i = 0; i < n_pairs; ++i) {
         const unsigned par = i & 1, sKa = opaque(sKa0), sQa = opaque(sQa0), sP0a = opaque(sP0a0),
                        sP1a = opaque(sP1a0);
+        TRACE(0)
+#if MLA_TRACE
+        long long* tr = tracing && i < 64 ? mla_trace[wg][i] : nullptr;
+#else
+        long long* tr = nullptr;
+#endif
         if (wg == 0) {
             // ---- even tile: S0, softmax against the running max, O_L += P0 V0_L
-            qk<G_L, G_R>(s, rq, sQa, sKa, mbar0, par);
+            qk<G_L, G_R>(s, rq, sQa, sKa, mbar0, par, tr);
             wait<0>();   // also retires the previous pair's P1 V1_L
+            TRACE(1)
             pin(s);
             pin(o);
             fill(0, G_ROPE, 2 * i + 2);
@@ -1056,10 +1082,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
                 sScale0[r1] = sc1;
             }
             bar_arrive(BAR_SCALE0);
+            TRACE(2)
             rescale(o, sc0, sc1);
             pv_rs(o, pk, sKa);
             // ---- odd tile's max from warpgroup 1: P0 rescaled to it -> smem, O_L += P1 V1_L
             bar_sync(BAR_P1);
+            TRACE(3)
             const float a0 = sScale1[r0], a1 = sScale1[r1];
             m_run0 = sM[r0];
             m_run1 = sM[r1];
@@ -1073,6 +1101,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
                 s[4 * n + 3] *= a1;
             }
             wait<0>();   // P0 V0_L retired: pk and O_L are free, panels 0-3 of buffer 0 too
+            TRACE(4)
             pin(o);
             fill(0, G_L, 2 * i + 2);
 #pragma unroll
@@ -1086,13 +1115,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
             mbar_wait(mbar1 + 8 * G_L, par);   // filled by this warpgroup, read by its own MMA now
             fence_async_smem();
             pv_ss(o, sP1a, sKa + TILE);
+            TRACE(5)
             wait<0>();
+            TRACE(6)
             pin(o);
             fill(1, G_L, 2 * i + 3);
         } else {
             // ---- odd tile: S1, softmax against warpgroup 0's max, P1 -> smem, O_R += P1 V1_R
-            qk<G_R, G_L>(s, rq, sQa, sKa + TILE, mbar1, par);
+            qk<G_R, G_L>(s, rq, sQa, sKa + TILE, mbar1, par, tr);
             wait<0>();
+            TRACE(1)
             pin(s);
             pin(o);
             fill(1, G_ROPE, 2 * i + 3);
@@ -1100,6 +1132,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
             mask_rowmax(s, scale_log2, tree_mask, words, t0, t1, key_begin + (2 * i + 1) * BN, P, key_end, q4, mx0,
                         mx1);
             bar_sync(BAR_SCALE0);
+            TRACE(2)
             const float b0 = sScale0[r0], b1 = sScale0[r1];
             m_run0 = sM[r0];
             m_run1 = sM[r1];
@@ -1115,16 +1148,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
             }
             store_p(smem + OFF_P1, pk, r0, r1, q4);
             bar_arrive(BAR_P1);
+            TRACE(3)
             rescale(o, b0 * sc0, b1 * sc1);
             pv_rs(o, pk, sKa + TILE + 4 * PANEL);
             // ---- O_R += P0 V0_R
             bar_sync(BAR_P0);
+            TRACE(4)
             mbar_wait(mbar0 + 8 * G_R, par);
             fence_async_smem();
             pv_ss(o, sP0a, sKa + 4 * PANEL);
             wait<1>();   // P1 V1_R retired: panels 4-7 of buffer 1 are free
+            TRACE(5)
             fill(1, G_R, 2 * i + 3);
             wait<0>();
+            TRACE(6)
             pin(o);
             fill(0, G_R, 2 * i + 2);
         }
