@@ -24,6 +24,8 @@ EVENTS = {  # event index -> what has just happened, per warpgroup (see TRACE(e)
     1: ("S0 ready (QK0 retired)", "S1 ready (QK1 retired)"), 2: ("m0, scale0 published", "got m0, scale0"),
     3: ("got P1, scale1", "P1, scale1 published"), 4: ("P0 V0_L retired", "got P0"),
     5: ("P1 V1_L issued", "P1 V1_R retired"), 6: ("P1 V1_L retired", "P0 V0_R retired"),
+    11: ("rope refill issued", "rope refill issued"), 12: ("S0 masked, row max", "S1 masked, row max"),
+    13: ("P0 = exp, packed", "-"),
 }
 
 

@@ -189,6 +189,26 @@ __device__ __forceinline__ bool key_visible(const unsigned* __restrict__ mask, i
     return (__ldg(mask + t * words + (j >> 5)) >> (j & 31)) & 1u;
 }
 
+// key_visible for the 64 keys key0 .. key0+63 of query row t at once, bit k for key0 + k: three word loads and
+// shifts, no branch per key (a branch per key costs ~2.7k cycles a tile in the wgmma kernels, mostly
+// instruction-fetch stalls at the reconvergence points: ncu, bench/results/mla_notes.md run 7)
+__device__ __forceinline__ unsigned long long visible64(const unsigned* __restrict__ mask, int words, int t,
+                                                        int key0, int P, int key_end) {
+    const int lo = key0 - P;               // tree index of bit 0; negative: the prefix
+    const int w = lo >> 5, sh = lo & 31;   // lo = 32 w + sh (floor)
+    unsigned wd[3];
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+        const int wi = w + i;
+        const unsigned x = __ldg(mask + t * words + min(max(wi, 0), words - 1));
+        wd[i] = wi < 0 ? 0xffffffffu : wi >= words ? 0u : x;
+    }
+    const unsigned long long lo64 = (unsigned long long)wd[1] << 32 | wd[0];
+    const unsigned long long v = (lo64 >> sh) | (sh ? (unsigned long long)wd[2] << (64 - sh) : 0ull);
+    const int n = key_end - key0;          // keys of the window before key_end
+    return v & (n >= 64 ? ~0ull : n <= 0 ? 0ull : (1ull << n) - 1);
+}
+
 // ---- tensor-core kernel ----------------------------------------------------------------------------
 
 template <int NW, int BM, int BN, int STAGES>
@@ -328,18 +348,20 @@ __device__ __forceinline__ void mla_mma_body(
         // ---- scale into the exp2 domain, mask, tile row maxima
         const int wkey0 = key_begin + it * BN + kh * KW;     // first key of this warp's slice
         const bool need_mask = wkey0 + KW > P || wkey0 + KW > key_end;
+        if (need_mask) {
+            const unsigned long long v0 = visible64(tree_mask, words, t0, wkey0, P, key_end) >> (2 * q4),
+                                     v1 = visible64(tree_mask, words, t1, wkey0, P, key_end) >> (2 * q4);
+#pragma unroll
+            for (int n = 0; n < 2 * NP; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    s[n][e] = ((e < 2 ? v0 : v1) >> (n * 8 + (e & 1))) & 1ull ? s[n][e] : neg_inf();
+        }
         float mx0 = neg_inf(), mx1 = neg_inf();
 #pragma unroll
         for (int n = 0; n < 2 * NP; ++n) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float x = s[n][e] * scale_log2;
-                if (need_mask) {
-                    const int key = wkey0 + n * 8 + 2 * q4 + (e & 1);
-                    if (!key_visible(tree_mask, words, e < 2 ? t0 : t1, key, P, key_end)) x = neg_inf();
-                }
-                s[n][e] = x;
-            }
+            for (int e = 0; e < 4; ++e) s[n][e] *= scale_log2;
             mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
             mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
         }
@@ -581,6 +603,33 @@ __device__ __forceinline__ void mma_n64(float (&d)[32], unsigned long long a, un
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "l"(a), "l"(b), "r"(acc));
 }
+// the tree mask and the key range, then scale_log2, applied to S (a 64 x 64 m64n64 accumulator: keys
+// key0 + 8n + 2 q4 + (e & 1), rows r0 (e < 2) and r1) in place; returns the row maxima of rows r0, r1
+__device__ __forceinline__ void mask_rowmax(float (&s)[32], float scale_log2, const unsigned* __restrict__ mask,
+                                            int words, int t0, int t1, int key0, int P, int key_end, int q4,
+                                            float& mx0, float& mx1) {
+    if (key0 + 64 > P || key0 + 64 > key_end) {   // block-uniform: tiles reaching the tree part or the end
+        const unsigned long long v0 = visible64(mask, words, t0, key0, P, key_end) >> (2 * q4),
+                                 v1 = visible64(mask, words, t1, key0, P, key_end) >> (2 * q4);
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                s[4 * n + e] = ((e < 2 ? v0 : v1) >> (n * 8 + (e & 1))) & 1ull ? s[4 * n + e] : neg_inf();
+    }
+    mx0 = neg_inf();
+    mx1 = neg_inf();
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[4 * n + e] *= scale_log2;
+        mx0 = fmaxf(mx0, fmaxf(s[4 * n], s[4 * n + 1]));
+        mx1 = fmaxf(mx1, fmaxf(s[4 * n + 2], s[4 * n + 3]));
+    }
+    mx0 = quad_max(mx0);
+    mx1 = quad_max(mx1);
+}
+
 // O *= alpha row-wise (rows g and g+8 of the thread); skipped when no row of the warp moved (MLA_SKIP_RESCALE)
 __device__ __forceinline__ void rescale(float (&o)[128], float alpha0, float alpha1) {
     const bool moved = (alpha0 != 1.f) | (alpha1 != 1.f);
@@ -660,25 +709,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
             wait<0>();
             pin(s);
 
-            const int key0 = key_begin + it * BN;
-            const bool need_mask = key0 + BN > P || key0 + BN > key_end;
-            float mx0 = neg_inf(), mx1 = neg_inf();
-#pragma unroll
-            for (int n = 0; n < 8; ++n) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float x = s[4 * n + e] * scale_log2;
-                    if (need_mask) {
-                        const int key = key0 + n * 8 + 2 * q4 + (e & 1);
-                        if (!key_visible(tree_mask, words, e < 2 ? t0 : t1, key, P, key_end)) x = neg_inf();
-                    }
-                    s[4 * n + e] = x;
-                }
-                mx0 = fmaxf(mx0, fmaxf(s[4 * n], s[4 * n + 1]));
-                mx1 = fmaxf(mx1, fmaxf(s[4 * n + 2], s[4 * n + 3]));
-            }
-            mx0 = quad_max(mx0);
-            mx1 = quad_max(mx1);
+            float mx0, mx1;
+            mask_rowmax(s, scale_log2, tree_mask, words, t0, t1, key_begin + it * BN, P, key_end, q4, mx0, mx1);
             float mu0, mu1;
             const float alpha0 = online_step(m_run0, l_run0, mx0, mu0), alpha1 = online_step(m_run1, l_run1, mx1, mu1);
             unsigned pk[16];
@@ -911,31 +943,6 @@ __device__ __forceinline__ void qk(float (&s)[32], const unsigned (&rq)[4][4], u
     commit();
 }
 
-// scale_log2, the tree mask and the key range applied to S in place; returns the row maxima (rows r0, r1)
-__device__ __forceinline__ void mask_rowmax(float (&s)[32], float scale_log2, const unsigned* __restrict__ mask,
-                                            int words, int t0, int t1, int key0, int P, int key_end, int q4,
-                                            float& mx0, float& mx1) {
-    const bool need_mask = key0 + 64 > P || key0 + 64 > key_end;
-    mx0 = neg_inf();
-    mx1 = neg_inf();
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            float x = s[4 * n + e] * scale_log2;
-            if (need_mask) {
-                const int key = key0 + n * 8 + 2 * q4 + (e & 1);
-                if (!key_visible(mask, words, e < 2 ? t0 : t1, key, P, key_end)) x = neg_inf();
-            }
-            s[4 * n + e] = x;
-        }
-        mx0 = fmaxf(mx0, fmaxf(s[4 * n], s[4 * n + 1]));
-        mx1 = fmaxf(mx1, fmaxf(s[4 * n + 2], s[4 * n + 3]));
-    }
-    mx0 = quad_max(mx0);
-    mx1 = quad_max(mx1);
-}
-
 // P = 2^(S - mu) in place (fp32), packed to bf16 pairs (the A fragment layout), row sums added to l0, l1
 __device__ __forceinline__ void exp_pack(float (&s)[32], unsigned (&pk)[16], float mu0, float mu1, float& l0,
                                          float& l1) {
@@ -1071,10 +1078,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
             pin(s);
             pin(o);
             fill(0, G_ROPE, 2 * i + 2);
+            TRACE(11)
             float mx0, mx1, mu0, mu1;
             mask_rowmax(s, scale_log2, tree_mask, words, t0, t1, key_begin + 2 * i * BN, P, key_end, q4, mx0, mx1);
+            TRACE(12)
             const float sc0 = online_step(m_run0, l0, mx0, mu0), sc1 = online_step(m_run1, l1, mx1, mu1);
             exp_pack(s, pk, mu0, mu1, l0, l1);
+            TRACE(13)
             if (q4 == 0) {
                 sM[r0] = m_run0;
                 sM[r1] = m_run1;
@@ -1128,9 +1138,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
             pin(s);
             pin(o);
             fill(1, G_ROPE, 2 * i + 3);
+            TRACE(11)
             float mx0, mx1, mu0, mu1;
             mask_rowmax(s, scale_log2, tree_mask, words, t0, t1, key_begin + (2 * i + 1) * BN, P, key_end, q4, mx0,
                         mx1);
+            TRACE(12)
             bar_sync(BAR_SCALE0);
             TRACE(2)
             const float b0 = sScale0[r0], b1 = sScale0[r1];
