@@ -75,13 +75,11 @@ def per_call(run, reps=20):
 def main(argv):
     shapes = [tuple(int(v) for v in a.split(":")) for a in argv] or [(257, 8192), (33, 32768)]
     traced, plain, noload = build(["MLA_TRACE=1"]), build([]), build(["MLA_PAIR_NOLOAD=1"])
-    v1 = build(["MLA_PAIR_V2=0"])
     for t, p in shapes:
         case = mc.make_case(t, 64, p, seed=1)
         row = []
         for label, mod, name in (("pair", plain, "mla_wgmma_pair"), ("pair, no K refills", noload, "mla_wgmma_pair"),
-                                 ("pair, traced", traced, "mla_wgmma_pair"), ("pair v1", v1, "mla_wgmma_pair"),
-                                 ("one-tile", plain, "mla_wgmma_m64_n64")):
+                                 ("pair, traced", traced, "mla_wgmma_pair"), ("one-tile", plain, "mla_wgmma_m64_n64")):
             run, pl = launcher(mod, name, case, 1)
             us = per_call(run)
             tiles = pl.grid[0] * -(-case.latent.shape[0] // 64)

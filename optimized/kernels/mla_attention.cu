@@ -821,9 +821,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
 #ifndef MLA_TRACE
 #define MLA_TRACE 0              // clock64 stamps of one block's schedule (bench/mla_trace.py), never in serving builds
 #endif
-#ifndef MLA_PAIR_V2
-#define MLA_PAIR_V2 1            // P0 published unscaled with m0; warpgroup 1 runs P0 V0_R before its softmax
-#endif
 #ifndef MLA_PAIR_NOLOAD
 #define MLA_PAIR_NOLOAD 0        // experiment only (wrong results): K refills skipped, to time the schedule alone
 #endif
@@ -842,7 +839,7 @@ constexpr int OFF_MBAR = OFF_STATS + 5 * 64 * 4;
 constexpr int SMEM = OFF_STATS + 1536 + 1024;   // mirrored by KernelConfig.smem_bytes
 static_assert(SMEM <= 232448, "must fit the 227 KB opt-in of H100/H200");
 enum { G_L = 0, G_R = 1, G_ROPE = 2 };
-enum { BAR_SCALE0 = 1, BAR_P1 = 2, BAR_P0 = 3, BAR_P0FREE = 4, BAR_P1FREE = 5 };
+enum { BAR_SCALE0 = 1, BAR_P1 = 2, BAR_P0 = 3 };
 
 // a value the compiler cannot see through: keeps loop-invariant smem descriptors from being hoisted into
 // (and held in) registers across the whole loop
@@ -1073,107 +1070,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
 #else
         long long* tr = nullptr;
 #endif
-#if MLA_PAIR_V2
-        if (wg == 0) {
-            // ---- even tile: S0, P0 = 2^(S0 - m0) -> smem with m0 and scale0, O_L = O_L scale0 + P0 V0_L
-            qk<G_L, G_R>(s, rq, sQa, sKa, mbar0, par, tr);
-            wait<0>();
-            TRACE(1)
-            pin(s);
-            pin(o);
-            fill(0, G_ROPE, 2 * i + 2);
-            TRACE(11)
-            float mx0, mx1, mu0, mu1;
-            mask_rowmax(s, scale_log2, tree_mask, words, t0, t1, key_begin + 2 * i * BN, P, key_end, q4, mx0, mx1);
-            TRACE(12)
-            const float sc0 = online_step(m_run0, l0, mx0, mu0), sc1 = online_step(m_run1, l1, mx1, mu1);
-            exp_pack(s, pk, mu0, mu1, l0, l1);
-            TRACE(13)
-            if (i > 0) bar_sync(BAR_P0FREE);   // warpgroup 1's P0 V0_R of the last pair retired
-            store_p(smem + OFF_P0, pk, r0, r1, q4);
-            if (q4 == 0) {
-                sM[r0] = m_run0;
-                sM[r1] = m_run1;
-                sScale0[r0] = sc0;
-                sScale0[r1] = sc1;
-            }
-            bar_arrive(BAR_P0);
-            TRACE(2)
-            rescale(o, sc0, sc1);
-            pv_rs(o, pk, sKa);
-            // ---- odd tile's P1 and scale1 = 2^(m0 - m1) from warpgroup 1: O_L = O_L scale1 + P1 V1_L
-            bar_sync(BAR_P1);
-            TRACE(3)
-            const float a0 = sScale1[r0], a1 = sScale1[r1];
-            m_run0 = sM[r0];
-            m_run1 = sM[r1];
-            l0 *= a0;
-            l1 *= a1;
-            wait<0>();   // P0 V0_L retired: pk, O_L and panels 0-3 of buffer 0 are free
-            TRACE(4)
-            pin(o);
-            fill(0, G_L, 2 * i + 2);
-            rescale(o, a0, a1);
-            mbar_wait(mbar1 + 8 * G_L, par);   // filled by this warpgroup, read by its own MMA now
-            fence_async_smem();
-            pv_ss(o, sP1a, sKa + TILE);
-            TRACE(5)
-            wait<0>();
-            TRACE(6)
-            pin(o);
-            if (i + 1 < n_pairs) bar_arrive(BAR_P1FREE);
-            fill(1, G_L, 2 * i + 3);
-        } else {
-            // ---- odd tile: S1; with warpgroup 0's P0: O_R = O_R scale0 + P0 V0_R under the softmax of S1
-            qk<G_R, G_L>(s, rq, sQa, sKa + TILE, mbar1, par, tr);
-            wait<0>();
-            TRACE(1)
-            pin(s);
-            pin(o);
-            fill(1, G_ROPE, 2 * i + 3);
-            TRACE(11)
-            float mx0, mx1, mu0, mu1;
-            mask_rowmax(s, scale_log2, tree_mask, words, t0, t1, key_begin + (2 * i + 1) * BN, P, key_end, q4, mx0,
-                        mx1);
-            TRACE(12)
-            bar_sync(BAR_P0);
-            TRACE(2)
-            const float b0 = sScale0[r0], b1 = sScale0[r1];
-            m_run0 = sM[r0];
-            m_run1 = sM[r1];
-            l0 *= b0;
-            l1 *= b1;
-            rescale(o, b0, b1);
-            mbar_wait(mbar0 + 8 * G_R, par);
-            fence_async_smem();
-            pv_ss(o, sP0a, sKa + 4 * PANEL);
-            const float sc0 = online_step(m_run0, l0, mx0, mu0), sc1 = online_step(m_run1, l1, mx1, mu1);
-            exp_pack(s, pk, mu0, mu1, l0, l1);
-            TRACE(13)
-            if (i > 0) bar_sync(BAR_P1FREE);   // warpgroup 0's P1 V1_L of the last pair retired
-            store_p(smem + OFF_P1, pk, r0, r1, q4);
-            if (q4 == 0) {
-                sM[r0] = m_run0;
-                sM[r1] = m_run1;
-                sScale1[r0] = sc0;
-                sScale1[r1] = sc1;
-            }
-            bar_arrive(BAR_P1);
-            TRACE(3)
-            wait<0>();   // P0 V0_R retired: panels 4-7 of buffer 0 and sP0 are free
-            TRACE(4)
-            pin(o);
-            if (i + 1 < n_pairs) bar_arrive(BAR_P0FREE);
-            fill(0, G_R, 2 * i + 2);
-            rescale(o, sc0, sc1);
-            pv_rs(o, pk, sKa + TILE + 4 * PANEL);
-            TRACE(5)
-            wait<0>();   // P1 V1_R retired: panels 4-7 of buffer 1 are free
-            TRACE(6)
-            pin(o);
-            fill(1, G_R, 2 * i + 3);
-        }
-#else
         if (wg == 0) {
             // ---- even tile: S0, softmax against the running max, O_L += P0 V0_L
             qk<G_L, G_R>(s, rq, sQa, sKa, mbar0, par, tr);
@@ -1281,7 +1177,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
             pin(o);
             fill(0, G_R, 2 * i + 2);
         }
-#endif
     }
     wait<0>();
     pin(o);
