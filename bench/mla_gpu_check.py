@@ -49,6 +49,7 @@ def main():
         ("mma w8 T=65 P=4097", 65, 64, 4097, "random", dict(config="mla_mma_w8_m64_n64_s2")),
         ("wgmma serial T=65 P=4097", 65, 64, 4097, "random", dict(config="mla_wgmma_m64_n64")),
         ("tree T=33 P=8000 splits=1", 33, 64, 8000, "random", dict(num_splits=1)),
+        ("tree T=17 P=1150 splits=1 (19 tiles)", 17, 64, 1150, "random", dict(num_splits=1)),
         ("decode P=131072 auto", 1, 64, 131072, "chain", {}),
         ("tree T=1025 H=64 P=129", 1025, 64, 129, "random", {}),
         ("tree T=64 H=128 P=777", 64, 128, 777, "random", {}),

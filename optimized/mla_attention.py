@@ -76,7 +76,7 @@ class KernelConfig:
     stages: int      # K tiles resident in shared memory
     kind: str = "mma"          # "mma" (mma.sync, sm_80+) | "wgmma" (sm_90a only: H100/H200)
     tile_cost: float = 1.0     # split model: one key tile per SM, relative to the mma kernel's (~4 us)
-    pairs: bool = False        # key tiles taken two at a time (the seesaw kernel): splits get an even tile count
+    pairs: bool = False        # key tiles taken two at a time (the seesaw kernel): its own smem layout
 
     @property
     def smem_bytes(self) -> int:     # mirrors MmaCfg::SMEM / wgm::SMEM / wgp::SMEM in the .cu
@@ -141,26 +141,18 @@ def plan(t: int, h: int, c: int, r: int, s: int, sm_count: int, smem_optin: int,
     row_tiles = -(-m // cfg.bm)
     key_tiles = -(-s // cfg.bn)
     if num_splits is None:
-        splits = _choose_splits(row_tiles, key_tiles, sm_count, cfg.tile_cost, cfg.pairs)
+        splits = _choose_splits(row_tiles, key_tiles, sm_count, cfg.tile_cost)
     else:
         if not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
         splits = min(num_splits, key_tiles)
-    tiles_per_split = _tiles_per_split(key_tiles, splits, cfg.pairs)
+    tiles_per_split = -(-key_tiles // splits)
     splits = -(-key_tiles // tiles_per_split)             # no empty split
     return Plan(cfg.kind, cfg.name, (row_tiles, splits, 1), (cfg.warps * 32, 1, 1), cfg.smem_bytes, splits,
                 tiles_per_split * cfg.bn)
 
 
-def _tiles_per_split(key_tiles: int, splits: int, pairs: bool) -> int:
-    """Key tiles per split for a requested split count; even for the pair kernel (an odd last tile of a split
-    costs it a whole masked tile) unless one split holds everything."""
-    tps = -(-key_tiles // splits)
-    return tps + (tps % 2) if pairs and tps < key_tiles else tps
-
-
-def _choose_splits(row_tiles: int, key_tiles: int, sm_count: int, tile_cost: float = 1.0,
-                   pairs: bool = False) -> int:
+def _choose_splits(row_tiles: int, key_tiles: int, sm_count: int, tile_cost: float = 1.0) -> int:
     """Split the keys so the (row tile x split) blocks fill whole waves (one block per SM). Cost model in units
     of one 64x64 tile per SM for the mma kernel (~4 us on an H200; `tile_cost` scales it for faster kernels):
     waves x (tiles per block x tile_cost + 2 for the Q load and the partial write), plus, when split, the
@@ -168,10 +160,10 @@ def _choose_splits(row_tiles: int, key_tiles: int, sm_count: int, tile_cost: flo
     unit per ~45 row tiles x splits."""
     best, best_cost = 1, None
     for req in range(1, min(key_tiles, MAX_SPLITS) + 1):
-        tps = _tiles_per_split(key_tiles, req, pairs)
+        tps = -(-key_tiles // req)
         splits = -(-key_tiles // tps)
         waves = -(-(row_tiles * splits) // sm_count)
-        cost = waves * ((tps + (tps % 2 if pairs else 0)) * tile_cost + 2) + (0 if splits == 1 else 1 + row_tiles * splits / 45)
+        cost = waves * (tps * tile_cost + 2) + (0 if splits == 1 else 1 + row_tiles * splits / 45)
         if best_cost is None or cost < best_cost - 1e-9:
             best, best_cost = splits, cost
     return best

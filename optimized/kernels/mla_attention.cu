@@ -806,8 +806,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
 //        O_R = O_R * scale0 * scale1 + P1 V1_R (registers)
 //   wg0: P0 *= scale1 -> smem (BAR_P0); O_L = O_L * scale1 + P1 V1_L
 //   wg1: O_R += P0 V0_R
-// The row sums are kept per warpgroup (of the tiles whose softmax it ran) and added at the end. An odd last tile
-// is paired with a zero-filled, fully masked one.
+// The row sums are kept per warpgroup (of the tiles whose softmax it ran) and added at the end. An odd count's last
+// tile runs alone: warpgroup 1 skips its QK and P1 V1_R, warpgroup 0 its P1 V1_L (scale1 = 1).
 // Loads: Q's rope panel (channels 512-575) lives in registers (16 per thread, the A operand of the 4 rope
 // k-steps), which frees its 8 KB of smem for P1. K tiles are refilled in three panel groups, each as soon as the
 // MMAs that read it have retired, by cp.async tracked on an mbarrier per (buffer, group) (count 128: the
@@ -1024,9 +1024,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
     load_q_rows<panel_off>(sQa0, q_lat, q_pe, BM, row0, M, tid, NTHREADS);
     cp_async_commit();
     __syncthreads();   // mbarriers initialized
-    // group `grp` of tile `tile` -> buffer `buf`, by the 128 threads of the calling warpgroup (none past the pairs)
+    // group `grp` of tile `tile` -> buffer `buf`, by the 128 threads of the calling warpgroup (none past the tiles)
     auto fill = [&](int buf, int grp, int tile) {
-        if (tile >= 2 * n_pairs) return;
+        if (tile >= n_tiles) return;
         const unsigned dst = sKa0 + buf * TILE;
         const int k0 = key_begin + tile * BN;
         if (MLA_PAIR_NOLOAD && tile > 1) {
@@ -1064,6 +1064,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
     for (int i = 0; i < n_pairs; ++i) {
         const unsigned par = i & 1, sKa = opaque(sKa0), sQa = opaque(sQa0), sP0a = opaque(sP0a0),
                        sP1a = opaque(sP1a0);
+        const bool odd = 2 * i + 1 < n_tiles;   // block-uniform; false only for an odd count's last pair
         TRACE(0)
 #if MLA_TRACE
         long long* tr = tracing && i < 64 ? mla_trace[wg][i] : nullptr;
@@ -1122,27 +1123,32 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
             store_p(smem + OFF_P0, pk, r0, r1, q4);
             bar_arrive(BAR_P0);
             rescale(o, a0, a1);
-            mbar_wait(mbar1 + 8 * G_L, par);   // filled by this warpgroup, read by its own MMA now
-            fence_async_smem();
-            pv_ss(o, sP1a, sKa + TILE);
+            if (odd) {
+                mbar_wait(mbar1 + 8 * G_L, par);   // filled by this warpgroup, read by its own MMA now
+                fence_async_smem();
+                pv_ss(o, sP1a, sKa + TILE);
+            }
             TRACE(5)
             wait<0>();
             TRACE(6)
             pin(o);
             fill(1, G_L, 2 * i + 3);
         } else {
-            // ---- odd tile: S1, softmax against warpgroup 0's max, P1 -> smem, O_R += P1 V1_R
-            qk<G_R, G_L>(s, rq, sQa, sKa + TILE, mbar1, par, tr);
-            wait<0>();
-            TRACE(1)
-            pin(s);
-            pin(o);
-            fill(1, G_ROPE, 2 * i + 3);
-            TRACE(11)
-            float mx0, mx1, mu0, mu1;
-            mask_rowmax(s, scale_log2, tree_mask, words, t0, t1, key_begin + (2 * i + 1) * BN, P, key_end, q4, mx0,
-                        mx1);
-            TRACE(12)
+            // ---- odd tile: S1, softmax against warpgroup 0's max, P1 -> smem, O_R += P1 V1_R. Without an odd
+            // tile the row maxima stay m0 (scale1 = 1) and only O_R += P0 V0_R runs.
+            float mx0 = neg_inf(), mx1 = neg_inf(), mu0, mu1;
+            if (odd) {
+                qk<G_R, G_L>(s, rq, sQa, sKa + TILE, mbar1, par, tr);
+                wait<0>();
+                TRACE(1)
+                pin(s);
+                pin(o);
+                fill(1, G_ROPE, 2 * i + 3);
+                TRACE(11)
+                mask_rowmax(s, scale_log2, tree_mask, words, t0, t1, key_begin + (2 * i + 1) * BN, P, key_end, q4,
+                            mx0, mx1);
+                TRACE(12)
+            }
             bar_sync(BAR_SCALE0);
             TRACE(2)
             const float b0 = sScale0[r0], b1 = sScale0[r1];
@@ -1151,18 +1157,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
             l0 *= b0;
             l1 *= b1;
             const float sc0 = online_step(m_run0, l0, mx0, mu0), sc1 = online_step(m_run1, l1, mx1, mu1);
-            exp_pack(s, pk, mu0, mu1, l0, l1);
+            if (odd) exp_pack(s, pk, mu0, mu1, l0, l1);
             if (q4 == 0) {
                 sM[r0] = m_run0;
                 sM[r1] = m_run1;
                 sScale1[r0] = sc0;
                 sScale1[r1] = sc1;
             }
-            store_p(smem + OFF_P1, pk, r0, r1, q4);
+            if (odd) store_p(smem + OFF_P1, pk, r0, r1, q4);
             bar_arrive(BAR_P1);
             TRACE(3)
             rescale(o, b0 * sc0, b1 * sc1);
-            pv_rs(o, pk, sKa + TILE + 4 * PANEL);
+            if (odd) pv_rs(o, pk, sKa + TILE + 4 * PANEL);
             // ---- O_R += P0 V0_R
             bar_sync(BAR_P0);
             TRACE(4)
