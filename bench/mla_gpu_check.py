@@ -85,8 +85,7 @@ def main():
                 print(localize(out.nan_to_num(1e3), ref64))
     variants = {  # name: (config, defines); config None = the plan's choice (wgmma on 9.0)
         "wgmma": (None, ()), "wgmma_plain": (None, ("MLA_SKIP_RESCALE=0", "MLA_FAST_EXP2=0")),
-        "wgmma_pair": ("mla_wgmma_pair", ()), "wgmma_serial": ("mla_wgmma_m64_n64", ()),
-        "mma": ("mla_mma_w8_m64_n64_s2", ())}
+        "wgmma_serial": ("mla_wgmma_m64_n64", ()), "mma": ("mla_mma_w8_m64_n64_s2", ())}
     shapes = [(1, 8192), (1, 131072), (33, 8192), (33, 32768), (257, 8192)]
     cases = {sh: mc.make_case(sh[0], 64, sh[1], seed=sh[0]) for sh in shapes}
     score = {}

@@ -21,8 +21,8 @@ from optimized.mla_attention import pack_visibility, unpack_visibility, plan, tr
 
 H200 = dict(sm_count=132, smem_optin=232448)          # plan() without cc: a 9.0-less device (no wgmma)
 MMA_W8 = "mla_mma_w8_m64_n64_s2"
-WGMMA_PAIR = "mla_wgmma_pair"          # the default on compute capability 9.0 from two row tiles (T*H > 64)
-WGMMA_SERIAL = "mla_wgmma_m64_n64"      # the one-tile-at-a-time wgmma kernel: the default for one row tile
+WGMMA_PAIR = "mla_wgmma_pair"          # the default on compute capability 9.0
+WGMMA_SERIAL = "mla_wgmma_m64_n64"      # the one-tile-at-a-time wgmma kernel it replaces (kept for A/B)
 
 
 def _default_backend() -> str:
@@ -93,7 +93,7 @@ def test_validation_too_long_and_scale():
 
 @given(t=st.integers(1, 1025), h=st.sampled_from([1, 4, 64, 128]), p=st.integers(0, 140_000))
 def test_plan_covers_keys(t, h, p):
-    for cc, backend, kernel in ((0, "mma", MMA_W8), (90, "wgmma", WGMMA_PAIR if t * h > 64 else WGMMA_SERIAL)):
+    for cc, backend, kernel in ((0, "mma", MMA_W8), (90, "wgmma", WGMMA_PAIR)):
         pl = plan(t, h, 512, 64, p + t, **H200, cc=cc)
         assert pl.backend == backend and pl.kernel == kernel and pl.smem <= H200["smem_optin"]
         assert pl.chunk_keys % 64 == 0 and 1 <= pl.splits <= mla.MAX_SPLITS
@@ -196,12 +196,12 @@ CASES = [  # (T, H, prefix, kind)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, WGMMA_PAIR, WGMMA_SERIAL, MMA_W8])
+@pytest.mark.parametrize("config", [None, WGMMA_SERIAL, MMA_W8])
 @pytest.mark.parametrize("t, h, prefix, kind", CASES)
 def test_matches_reference(t, h, prefix, kind, config):
-    """The plan's kernel (on 9.0 the wgmma pair kernel, or the one-tile one for a single row tile), both wgmma
-    kernels forced on every case, and the mma.sync kernel, which 9.0 runs only when asked."""
-    if config in (WGMMA_PAIR, WGMMA_SERIAL) and _default_backend() != "wgmma":
+    """The plan's kernel (the wgmma pair kernel on 9.0), the one-tile wgmma kernel and the mma.sync kernel,
+    which 9.0 runs only when asked."""
+    if config == WGMMA_SERIAL and _default_backend() != "wgmma":
         pytest.skip("the wgmma kernels exist on compute capability 9.0 only")
     case = mc.make_case(t, h, prefix, kind=kind, seed=t * 1000 + prefix)
     want = _default_backend() if config is None else mla.CONFIGS[config].kind

@@ -94,7 +94,7 @@ class KernelConfig:
 
 CONFIGS = {c.name: c for c in (
     KernelConfig("mla_wgmma_pair", 8, 64, 64, 2, kind="wgmma", tile_cost=0.5, pairs=True),  # H100/H200: 231,936 B
-    KernelConfig("mla_wgmma_m64_n64", 8, 64, 64, 2, kind="wgmma", tile_cost=0.5),  # H100/H200 decode: 231,424 B
+    KernelConfig("mla_wgmma_m64_n64", 8, 64, 64, 2, kind="wgmma", tile_cost=0.5),  # H100/H200: 231,424 B
     KernelConfig("mla_mma_w8_m64_n64_s2", 8, 64, 64, 2),     # sm_80+ with 227 KB opt-in: 230,912 B
     KernelConfig("mla_mma_w4_m32_n32_s1", 4, 32, 32, 1),     # 99 KB parts (sm_120, sm_86/89)
 )}
@@ -127,8 +127,6 @@ def plan(t: int, h: int, c: int, r: int, s: int, sm_count: int, smem_optin: int,
             raise RuntimeError(f"tree_attention: no kernel configuration fits {smem_optin} B of shared memory "
                                f"per block (smallest needs {min(k.smem_bytes for k in CONFIGS.values())} B)")
         wg = [k for k in fitting if k.kind == "wgmma"]
-        if wg and m <= wg[0].bm:   # one row tile (decode): the one-tile kernel, faster on the few tiles a split holds
-            wg = [k for k in wg if not k.pairs] or wg   # (H200, T=1: P=32k 23.6 vs 30.1 us, mla_notes.md run 7)
         cfg = wg[0] if wg else max(fitting, key=lambda k: k.smem_bytes)
     else:
         if config not in CONFIGS:
