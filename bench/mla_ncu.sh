@@ -2,7 +2,8 @@
 # Full ncu profiles of the MLA attention kernels (issue 6), for reading the stall reasons per SASS instruction
 # offline. Usage (repository root, on the GPU machine): OUT=dir bash bench/mla_ncu.sh [config T:P]...
 # (default: "auto 257:8192"). Per case writes $OUT/ncu_<config>_<T>_<P>.csv (the details page) and
-# $OUT/sass_<config>_<T>_<P>.csv (stall samples per SASS instruction of the attention kernel).
+# $OUT/sass_<config>_<T>_<P>.csv (stall samples per SASS instruction of the attention kernel; summarize with
+# python bench/mla_ncu_top.py).
 set -u
 OUT=${OUT:-/tmp/mla_ncu}
 mkdir -p "$OUT"

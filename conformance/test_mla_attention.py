@@ -334,9 +334,10 @@ def _speed(t, prefix, h=64):
     return ours, torch_s, flops, nbytes
 
 
-GOAL_NOT_MET = ("issue 6 goal not met (H200, 2026-12-03, wgmma kernel at c4a67fd: T=1 P=8k 18.9 us = 8.4x the "
-                "bandwidth floor, of which ~13 us the attention kernel and ~4 us the split merge; T=33 P=8k 350 "
-                "TFLOP/s, 415-436 from prefix 32k): see bench/results/mla_notes.md")
+GOAL_NOT_MET = ("issue 6 goal not met (H200, 2026-12-04, wgmma pair kernel at 1dc8a45: T=1 P=8k 16.9 us = 7.5x the "
+                "bandwidth floor, of which ~12.7 us the attention kernel and ~4.2 us the split merge; T=33 P=8k "
+                "402 TFLOP/s in the bench, under 400 in this test's two runs of the same code: at the edge; 480 "
+                "from 32k): see bench/results/mla_notes.md run 7")
 
 
 @pytest.mark.gpu
@@ -362,12 +363,12 @@ def test_speed_goal_tree_tflops(prefix):
 
 @pytest.mark.gpu
 @pytest.mark.speed
-@pytest.mark.parametrize("t, prefix, max_floor_ratio, min_vs_torch", [(1, 32768, 5.5, 6.0), (33, 8192, 3.2, 5.0),
-                                                                       (65, 32768, 2.6, 5.0)])
+@pytest.mark.parametrize("t, prefix, max_floor_ratio, min_vs_torch", [(1, 32768, 4.5, 6.0), (33, 8192, 2.5, 5.0),
+                                                                       (65, 32768, 2.1, 5.0)])
 def test_speed_regression(t, prefix, max_floor_ratio, min_vs_torch):
-    """What the plan's kernel reaches on an H200 (wgmma, measured 2026-12-03 at c4a67fd: 3.8x / 2.25x / 1.88x the
-    floor, 19x / 8.1x / 7.3x PyTorch's masked einsum), with margin: guards against regressions, judged by
-    in-run ratios. The thresholds are the H200's; another GPU runs another kernel."""
+    """What the plan's kernel reaches on an H200 (wgmma pair kernel, measured 2026-12-04 at 1dc8a45: 3.54x / 1.96x /
+    1.63x the floor, 12x / 8.9x / 8.6x PyTorch's masked einsum), with ~25% margin: guards against regressions,
+    judged by in-run ratios. The thresholds are the H200's; another GPU runs another kernel."""
     ours, torch_s, flops, nbytes = _speed(t, prefix)
     ratio = ours / mc.floor_seconds(flops, nbytes)
     assert ratio <= max_floor_ratio, f"T={t} P={prefix}: {ratio:.2f}x the floor (was <= {max_floor_ratio})"

@@ -11,6 +11,8 @@
 //
 // Kernels
 //   mla_mma_<cfg>   tensor cores (mma.sync m16n8k16 bf16 -> fp32; sm_80+, so sm_90 and sm_120), C=512, R=64.
+//   mla_wgmma_pair  wgmma (sm_90a, H100/H200), key tiles in pairs across the two warpgroups: the default on 9.0.
+//   mla_wgmma_m64_n64  wgmma, one key tile at a time (kept as a config, for A/B).
 //   mla_combine     log-sum-exp merge of the split-KV partials.
 //   mla_generic     one warp per query row, fp32 SIMT, any C <= 1024, R <= 256 (tiny fixtures).
 //
@@ -817,6 +819,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
 //   panel 8 (rope)     by the buffer's QK warpgroup, after its QK
 // and each QK reads the group refilled first first: wg0 rope, L, R; wg1 rope, R, L.
 // smem: Q 72 KB (panel 8 = P1) + 2 K stages 144 KB + P0 8 KB + stats and mbarriers 1.5 KB + 1 KB slack.
+// Measured (H200, bench/results/mla_notes.md run 7): 402-459 TFLOP/s at T >= 33, prefix 8k, 471-504 from 32k;
+//   2.43 us per 64x64 tile per SM at T=257 P=8k, 1.72 without the K refills: the refill latency is what is left.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #ifndef MLA_TRACE
 #define MLA_TRACE 0              // clock64 stamps of one block's schedule (bench/mla_trace.py), never in serving builds
