@@ -130,7 +130,7 @@ def _check_ptxas_report(arch: str, log: str) -> dict:
     """The ptxas -v report of a build for `arch`: every kernel there (the wgmma kernel in sm_90a builds only),
     no wgmma serialization (ptxas C7514, e.g. after a wait_group that ptxas cannot follow). Returns the spill
     stores in bytes per entry function."""
-    for name in _tensor_core_kernels(arch) + ["mla_combine", "mla_generic"]:
+    for name in _tensor_core_kernels(arch) + ["mla_combine", "mla_combine_rows", "mla_generic"]:
         assert f"Compiling entry function '{name}'" in log, log
     assert ("mla_wgmma_m64_n64" in log) == (arch == "sm_90a")
     assert "C7514" not in log and "serialized" not in log, f"ptxas serialized the wgmma pipeline: {log}"

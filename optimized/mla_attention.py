@@ -92,6 +92,8 @@ class KernelConfig:
         return self.kind != "wgmma" or cc == WGMMA_ARCH
 
 
+COMBINE_ROWS_MIN_M = 256   # query rows from which the split merge runs mla_combine_rows (a warp per row)
+
 CONFIGS = {c.name: c for c in (
     KernelConfig("mla_wgmma_pair", 8, 64, 64, 2, kind="wgmma", tile_cost=0.5, pairs=True),  # H100/H200: 231,936 B
     KernelConfig("mla_wgmma_m64_n64", 8, 64, 64, 2, kind="wgmma", tile_cost=0.5),  # H100/H200: 231,424 B
@@ -280,7 +282,7 @@ def _device_module(index: int, defines: tuple = ()):
                 if cfg.smem_bytes <= smem_optin:
                     fn.max_dynamic_shared_size_bytes = cfg.smem_bytes
                 kernels[cfg.name] = fn
-            for name in ("mla_combine", "mla_generic"):
+            for name in ("mla_combine", "mla_combine_rows", "mla_generic"):
                 kernels[name] = module.get_function(name)
             built = kernels["mla_combine"].binary_version
             if built != cc:
@@ -382,9 +384,11 @@ def tree_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
                             null if o_part is None else ptr(o_part), null if lse is None else ptr(lse),
                             i32(t), i32(h), i32(p), i32(s), i32(w), i32(pl.chunk_keys), scale_log2, dyn),
                            shared_mem=pl.smem)
-        if o_part is not None:
-            kernels["mla_combine"]((m, c // 128, 1), (128, 1, 1), (ptr(o_part), ptr(lse), ptr(out), i32(m), i32(c),
-                                                                 i32(pl.splits)))
+        if o_part is not None:   # many rows: a warp per row; few (decode): a block per row and column slice
+            rows = m >= COMBINE_ROWS_MIN_M
+            kernels["mla_combine_rows" if rows else "mla_combine"](
+                (-(-m // 4) if rows else m, c // 128, 1), (128, 1, 1),
+                (ptr(o_part), ptr(lse), ptr(out), i32(m), i32(c), i32(pl.splits)))
     return out
 
 

@@ -1273,6 +1273,42 @@ extern "C" __global__ void __launch_bounds__(128) mla_combine(const float* __res
     *reinterpret_cast<uint2*>(out + (long long)m * C + c) = packed;
 }
 
+// mla_combine_rows: the same merge with one warp per row (grid (ceil(M/4), C/128), block 128: warp w takes row
+// 4*blockIdx.x + w) and each lane summing every split of its 4 columns, 4 loads in flight; no smem, no barrier.
+// For many rows (M >= 256): there mla_combine's 128-thread block per row and slice holds one 16-B load a thread
+// at <= 4 splits, and the merge was mostly block launches (T=33 P=8k: 8 us, mla_notes.md run 7).
+extern "C" __global__ void __launch_bounds__(128) mla_combine_rows(const float* __restrict__ o_part,
+                                                                   const float* __restrict__ lse_part,
+                                                                   bf16_t* __restrict__ out, int M, int C,
+                                                                   int splits) {
+    const int m = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (m >= M) return;
+    const int c = blockIdx.y * 128 + lane * 4;
+    float mx = neg_inf();
+    for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, __ldg(lse_part + (long long)s * M + m));
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    float den = 0.f;
+    if (mx != neg_inf()) {
+#pragma unroll 4
+        for (int s = 0; s < splits; ++s) {
+            const float wt = exp2f(__ldg(lse_part + (long long)s * M + m) - mx);
+            const float4 v = __ldg(reinterpret_cast<const float4*>(o_part + ((long long)s * M + m) * C + c));
+            acc.x += wt * v.x;
+            acc.y += wt * v.y;
+            acc.z += wt * v.z;
+            acc.w += wt * v.w;
+            den += wt;
+        }
+    }
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+    uint2 packed;
+    packed.x = pack_bf16x2(acc.x * inv, acc.y * inv);
+    packed.y = pack_bf16x2(acc.z * inv, acc.w * inv);
+    *reinterpret_cast<uint2*>(out + (long long)m * C + c) = packed;
+}
+
 // ---- generic SIMT path (any small C, R) ---------------------------------------------------------------
 // grid ceil(M/4), block 128: one warp per query row; lane owns channels lane + 32*i. fp32 throughout
 // (P is not rounded to bf16). Correctness path for the tiny fixtures, not a fast path.
