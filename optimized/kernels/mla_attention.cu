@@ -592,6 +592,12 @@ __device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, 25
 __device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" :: "r"(id) : "memory"); }
 enum { BAR_KFREE = 1, BAR_PFREE = 2, BAR_PREADY = 3 };
 
+// the 32 accumulator operands of an m64n64 wgmma (also used by mla_wgmma_pair's register-A variant)
+#define WG_D32 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),  \
+               "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),     \
+               "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),   \
+               "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),   \
+               "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 // D[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B K-major in smem
 __device__ __forceinline__ void mma_n64(float (&d)[32], unsigned long long a, unsigned long long b, int acc) {
     asm volatile(
@@ -599,10 +605,7 @@ __device__ __forceinline__ void mma_n64(float (&d)[32], unsigned long long a, un
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
         "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
         "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : WG_D32
         : "l"(a), "l"(b), "r"(acc));
 }
 // the tree mask and the key range, then scale_log2, applied to S (a 64 x 64 m64n64 accumulator: keys
@@ -630,6 +633,36 @@ __device__ __forceinline__ void mask_rowmax(float (&s)[32], float scale_log2, co
     }
     mx0 = quad_max(mx0);
     mx1 = quad_max(mx1);
+}
+
+// Epilogue: O_w / l of the thread's rows r0, r1 (row sums l0, l1, maxima mx0, mx1; output columns
+// w*256 + 8n + 2 q4, +1): bf16 to out, or with splits fp32 partials to o_part and lse = m + log2 l to lse_part
+__device__ __forceinline__ void store_o(const float (&o)[128], float l0, float l1, float mx0, float mx1,
+                                        bf16_t* __restrict__ out, float* __restrict__ o_part,
+                                        float* __restrict__ lse_part, int M, int row0, int r0, int r1, int wg,
+                                        int q4, int split) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int m = row0 + (h ? r1 : r0);
+        const float l = h ? l1 : l0;
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        if (m >= M) continue;
+        if (o_part == nullptr) {
+            bf16_t* dst = out + (long long)m * MLA_C + wg * 256 + 2 * q4;
+#pragma unroll
+            for (int n = 0; n < 32; ++n)
+                *reinterpret_cast<unsigned*>(dst + n * 8) =
+                    pack_bf16x2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
+        } else {
+            float* dst = o_part + ((long long)split * M + m) * MLA_C + wg * 256 + 2 * q4;
+#pragma unroll
+            for (int n = 0; n < 32; ++n)
+                *reinterpret_cast<float2*>(dst + n * 8) =
+                    make_float2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
+            if (wg == 0 && q4 == 0)
+                lse_part[(long long)split * M + m] = l > 0.f ? (h ? mx1 : mx0) + __log2f(l) : neg_inf();
+        }
+    }
 }
 
 // O *= alpha row-wise (rows g and g+8 of the thread); skipped when no row of the warp moved (MLA_SKIP_RESCALE)
@@ -772,27 +805,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
         }
     }
     __syncthreads();
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = h ? r1 : r0, m = row0 + r;
-        const float l = sL[r];
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        if (m >= M) continue;
-        if (o_part == nullptr) {
-            bf16_t* dst = out + (long long)m * MLA_C + wg * 256 + 2 * q4;
-#pragma unroll
-            for (int n = 0; n < 32; ++n)
-                *reinterpret_cast<unsigned*>(dst + n * 8) =
-                    pack_bf16x2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
-        } else {
-            float* dst = o_part + ((long long)split * M + m) * MLA_C + wg * 256 + 2 * q4;
-#pragma unroll
-            for (int n = 0; n < 32; ++n)
-                *reinterpret_cast<float2*>(dst + n * 8) =
-                    make_float2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
-            if (wg == 0 && q4 == 0) lse_part[(long long)split * M + m] = l > 0.f ? sM[r] + __log2f(l) : neg_inf();
-        }
-    }
+    store_o(o, sL[r0], sL[r1], sM[r0], sM[r1], out, o_part, lse_part, M, row0, r0, r1, wg, q4, split);
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
@@ -910,12 +923,10 @@ __device__ __forceinline__ void mma_n64_rs(float (&d)[32], const unsigned (&a)[4
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
         "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
         "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : WG_D32
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
 }
+#undef WG_D32
 
 // S = Q K^T of one 64-key tile (buffer kb): the rope k-steps from registers first, then the 64-channel panel
 // groups in the order given (each waited for on its mbarrier, then made visible to the async proxy)
@@ -1198,31 +1209,36 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
         sL[wg * BM + r1] = l1;
     }
     __syncthreads();
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = h ? r1 : r0, m = row0 + r;
-        const float l = sL[r] + sL[BM + r];
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        if (m >= M) continue;
-        if (o_part == nullptr) {
-            bf16_t* dst = out + (long long)m * MLA_C + wg * 256 + 2 * q4;
-#pragma unroll
-            for (int n = 0; n < 32; ++n)
-                *reinterpret_cast<unsigned*>(dst + n * 8) =
-                    pack_bf16x2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
-        } else {
-            float* dst = o_part + ((long long)split * M + m) * MLA_C + wg * 256 + 2 * q4;
-#pragma unroll
-            for (int n = 0; n < 32; ++n)
-                *reinterpret_cast<float2*>(dst + n * 8) =
-                    make_float2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
-            if (wg == 0 && q4 == 0) lse_part[(long long)split * M + m] = l > 0.f ? sM[r] + __log2f(l) : neg_inf();
-        }
-    }
+    store_o(o, sL[r0] + sL[BM + r0], sL[r1] + sL[BM + r1], sM[r0], sM[r1], out, o_part, lse_part, M, row0, r0, r1,
+            wg, q4, split);
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // ---- split-KV merge ----------------------------------------------------------------------------------
+// Row m, columns c..c+3 of the splits s0, s0+step, ...: acc = sum 2^(lse_s - max) O_s, den = sum 2^(lse_s - max),
+// with max over every split of the row (the 32 lanes of the calling warp share m; zeros when no key was seen)
+__device__ __forceinline__ void merge_splits(const float* __restrict__ o_part, const float* __restrict__ lse_part,
+                                             int M, int C, int m, int c, int lane, int s0, int step, int splits,
+                                             float4& acc, float& den) {
+    float mx = neg_inf();
+    for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, __ldg(lse_part + (long long)s * M + m));
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    den = 0.f;
+    if (mx == neg_inf()) return;
+#pragma unroll 4
+    for (int s = s0; s < splits; s += step) {
+        const float wt = exp2f(__ldg(lse_part + (long long)s * M + m) - mx);
+        const float4 v = __ldg(reinterpret_cast<const float4*>(o_part + ((long long)s * M + m) * C + c));
+        acc.x += wt * v.x;
+        acc.y += wt * v.y;
+        acc.z += wt * v.z;
+        acc.w += wt * v.w;
+        den += wt;
+    }
+}
+
 // grid (M, C/128), block 128: out[m, c..c+3] = sum_s 2^(lse_s - max) O_s[m, c..c+3] / sum_s 2^(lse_s - max),
 // c = blockIdx.y*128 + 4*lane; warp w sums the splits w, w+4, ... and the four warps meet in smem. A decode step
 // (M = 64) still spreads over 256 blocks with up to 16 partial rows in flight per block and column slice.
@@ -1233,24 +1249,9 @@ extern "C" __global__ void __launch_bounds__(128) mla_combine(const float* __res
     __shared__ float s_den[4];
     const int m = blockIdx.x, lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int c = blockIdx.y * 128 + lane * 4;
-    float mx = neg_inf();
-    for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, __ldg(lse_part + (long long)s * M + m));
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    float den = 0.f;
-    if (mx != neg_inf()) {
-#pragma unroll 4
-        for (int s = w; s < splits; s += 4) {
-            const float wt = exp2f(__ldg(lse_part + (long long)s * M + m) - mx);
-            const float4 v = __ldg(reinterpret_cast<const float4*>(o_part + ((long long)s * M + m) * C + c));
-            acc.x += wt * v.x;
-            acc.y += wt * v.y;
-            acc.z += wt * v.z;
-            acc.w += wt * v.w;
-            den += wt;
-        }
-    }
+    float4 acc;
+    float den;
+    merge_splits(o_part, lse_part, M, C, m, c, lane, w, 4, splits, acc, den);
     s_acc[w][lane] = acc;
     if (lane == 0) s_den[w] = den;
     __syncthreads();
@@ -1284,24 +1285,9 @@ extern "C" __global__ void __launch_bounds__(128) mla_combine_rows(const float* 
     const int m = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (m >= M) return;
     const int c = blockIdx.y * 128 + lane * 4;
-    float mx = neg_inf();
-    for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, __ldg(lse_part + (long long)s * M + m));
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    float den = 0.f;
-    if (mx != neg_inf()) {
-#pragma unroll 4
-        for (int s = 0; s < splits; ++s) {
-            const float wt = exp2f(__ldg(lse_part + (long long)s * M + m) - mx);
-            const float4 v = __ldg(reinterpret_cast<const float4*>(o_part + ((long long)s * M + m) * C + c));
-            acc.x += wt * v.x;
-            acc.y += wt * v.y;
-            acc.z += wt * v.z;
-            acc.w += wt * v.w;
-            den += wt;
-        }
-    }
+    float4 acc;
+    float den;
+    merge_splits(o_part, lse_part, M, C, m, c, lane, 0, 1, splits, acc, den);
     const float inv = den > 0.f ? 1.f / den : 0.f;
     uint2 packed;
     packed.x = pack_bf16x2(acc.x * inv, acc.y * inv);
