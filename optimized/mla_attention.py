@@ -387,7 +387,7 @@ def tree_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
         if o_part is not None:   # many rows: a warp per row; few (decode): a block per row and column slice
             rows = m >= COMBINE_ROWS_MIN_M
             kernels["mla_combine_rows" if rows else "mla_combine"](
-                (-(-m // 4) if rows else m, c // 128, 1), (128, 1, 1),
+                (-(-m // 4) if rows else m, c // 128, 1), (128 if rows else 256, 1, 1),
                 (ptr(o_part), ptr(lse), ptr(out), i32(m), i32(c), i32(pl.splits)))
     return out
 

@@ -1239,19 +1239,21 @@ __device__ __forceinline__ void merge_splits(const float* __restrict__ o_part, c
     }
 }
 
-// grid (M, C/128), block 128: out[m, c..c+3] = sum_s 2^(lse_s - max) O_s[m, c..c+3] / sum_s 2^(lse_s - max),
-// c = blockIdx.y*128 + 4*lane; warp w sums the splits w, w+4, ... and the four warps meet in smem. A decode step
-// (M = 64) still spreads over 256 blocks with up to 16 partial rows in flight per block and column slice.
-extern "C" __global__ void __launch_bounds__(128) mla_combine(const float* __restrict__ o_part,
-                                                              const float* __restrict__ lse_part,
-                                                              bf16_t* __restrict__ out, int M, int C, int splits) {
-    __shared__ float4 s_acc[4][32];
-    __shared__ float s_den[4];
+// grid (M, C/128), block 256: out[m, c..c+3] = sum_s 2^(lse_s - max) O_s[m, c..c+3] / sum_s 2^(lse_s - max),
+// c = blockIdx.y*128 + 4*lane; warp w sums the splits w, w+8, ... and the eight warps meet in smem. A decode step
+// (M = 64, 65-129 splits) spreads over 256 blocks with 8 warps of loads in flight per row and column slice.
+#define MLA_COMBINE_WARPS 8   // mirrored by the launcher's block size
+extern "C" __global__ void __launch_bounds__(MLA_COMBINE_WARPS * 32) mla_combine(const float* __restrict__ o_part,
+                                                                                 const float* __restrict__ lse_part,
+                                                                                 bf16_t* __restrict__ out, int M,
+                                                                                 int C, int splits) {
+    __shared__ float4 s_acc[MLA_COMBINE_WARPS][32];
+    __shared__ float s_den[MLA_COMBINE_WARPS];
     const int m = blockIdx.x, lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int c = blockIdx.y * 128 + lane * 4;
     float4 acc;
     float den;
-    merge_splits(o_part, lse_part, M, C, m, c, lane, w, 4, splits, acc, den);
+    merge_splits(o_part, lse_part, M, C, m, c, lane, w, MLA_COMBINE_WARPS, splits, acc, den);
     s_acc[w][lane] = acc;
     if (lane == 0) s_den[w] = den;
     __syncthreads();
@@ -1259,7 +1261,7 @@ extern "C" __global__ void __launch_bounds__(128) mla_combine(const float* __res
     float4 t = s_acc[0][lane];
     float d = s_den[0];
 #pragma unroll
-    for (int k = 1; k < 4; ++k) {
+    for (int k = 1; k < MLA_COMBINE_WARPS; ++k) {
         const float4 u = s_acc[k][lane];
         t.x += u.x;
         t.y += u.y;
