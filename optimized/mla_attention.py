@@ -93,6 +93,7 @@ class KernelConfig:
 
 
 COMBINE_ROWS_MIN_M = 256   # query rows from which the split merge runs mla_combine_rows (a warp per row)
+COMBINE_THREADS = 256      # mla_combine's block: MLA_COMBINE_WARPS (8) warps, mirrored from the .cu
 
 CONFIGS = {c.name: c for c in (
     KernelConfig("mla_wgmma_pair", 8, 64, 64, 2, kind="wgmma", tile_cost=0.5, pairs=True),  # H100/H200: 231,936 B
@@ -387,7 +388,7 @@ def tree_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
         if o_part is not None:   # many rows: a warp per row; few (decode): a block per row and column slice
             rows = m >= COMBINE_ROWS_MIN_M
             kernels["mla_combine_rows" if rows else "mla_combine"](
-                (-(-m // 4) if rows else m, c // 128, 1), (128 if rows else 256, 1, 1),
+                (-(-m // 4) if rows else m, c // 128, 1), (128 if rows else COMBINE_THREADS, 1, 1),
                 (ptr(o_part), ptr(lse), ptr(out), i32(m), i32(c), i32(pl.splits)))
     return out
 

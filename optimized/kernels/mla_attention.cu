@@ -832,7 +832,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
 //   panel 8 (rope)     by the buffer's QK warpgroup, after its QK
 // and each QK reads the group refilled first first: wg0 rope, L, R; wg1 rope, R, L.
 // smem: Q 72 KB (panel 8 = P1) + 2 K stages 144 KB + P0 8 KB + stats and mbarriers 1.5 KB + 1 KB slack.
-// Measured (H200, bench/results/mla_notes.md run 7): 402-459 TFLOP/s at T >= 33, prefix 8k, 471-504 from 32k;
+// Measured (H200, bench/results/mla_notes.md run 7): 414-469 TFLOP/s at T >= 33, prefix 8k, 478-502 from 32k;
 //   2.43 us per 64x64 tile per SM at T=257 P=8k, 1.72 without the K refills: the refill latency is what is left.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #ifndef MLA_TRACE
@@ -1242,7 +1242,7 @@ __device__ __forceinline__ void merge_splits(const float* __restrict__ o_part, c
 // grid (M, C/128), block 256: out[m, c..c+3] = sum_s 2^(lse_s - max) O_s[m, c..c+3] / sum_s 2^(lse_s - max),
 // c = blockIdx.y*128 + 4*lane; warp w sums the splits w, w+8, ... and the eight warps meet in smem. A decode step
 // (M = 64, 65-129 splits) spreads over 256 blocks with 8 warps of loads in flight per row and column slice.
-#define MLA_COMBINE_WARPS 8   // mirrored by the launcher's block size
+#define MLA_COMBINE_WARPS 8   // mirrored by COMBINE_THREADS in optimized/mla_attention.py
 extern "C" __global__ void __launch_bounds__(MLA_COMBINE_WARPS * 32) mla_combine(const float* __restrict__ o_part,
                                                                                  const float* __restrict__ lse_part,
                                                                                  bf16_t* __restrict__ out, int M,
@@ -1278,8 +1278,8 @@ extern "C" __global__ void __launch_bounds__(MLA_COMBINE_WARPS * 32) mla_combine
 
 // mla_combine_rows: the same merge with one warp per row (grid (ceil(M/4), C/128), block 128: warp w takes row
 // 4*blockIdx.x + w) and each lane summing every split of its 4 columns, 4 loads in flight; no smem, no barrier.
-// For many rows (M >= 256): there mla_combine's 128-thread block per row and slice holds one 16-B load a thread
-// at <= 4 splits, and the merge was mostly block launches (T=33 P=8k: 8 us, mla_notes.md run 7).
+// For many rows (M >= 256, COMBINE_ROWS_MIN_M): there mla_combine's block per row and slice holds at most one
+// 16-B load a thread at few splits, and the merge was mostly block launches (T=33 P=8k: 8 us, mla_notes.md run 7).
 extern "C" __global__ void __launch_bounds__(128) mla_combine_rows(const float* __restrict__ o_part,
                                                                    const float* __restrict__ lse_part,
                                                                    bf16_t* __restrict__ out, int M, int C,
