@@ -7,6 +7,8 @@ probability ~0.6..0.995: deep trees, the beam runs every depth).
 Times (CUDA events, warm-up, median of 100; extra_info, microseconds):
   eager_us   launches as a synchronous caller issues them (Numba's per-launch CPU cost included)
   topk_device_us, beam_device_us, compile_device_us: the stages alone (device execution)
+  beam_list_device_us, device_list_us: the warp-list beam (tree_list.py, Config.list_max) alone, and the whole
+             path with it, at budgets up to LIST_BMAX (list_same_tree: it built the same tree)
   device_us  device execution only: a spin kernel is queued first so the CPU has issued every launch
              before the GPU starts (the engine's case: the CPU runs ahead of the GPU)
   graph_us   one replay of the path captured in a CUDA graph (graph_error says why when capture fails)
@@ -17,6 +19,7 @@ latency bound (four dependent launches: two top-K passes, the single-block beam,
     pytest bench/test_bench_tree.py --benchmark-only --benchmark-json=out.json     (DDTREE_BENCH_OUT=dir also
     writes tree_<date>.json and .md there)
 """
+import dataclasses
 import datetime
 import json
 import os
@@ -40,12 +43,17 @@ def _write_summary(info: dict) -> None:
         json.dump({"provenance": info, "results": ROWS}, f, indent=1)
     lines = [f"# Tree path on {info.get('gpu', '?')} ({day}, commit {info.get('commit', '?')})", "",
              "V = 163,840; draft logits on the device -> compiled tree on the device. Microseconds (median).",
-             "", "| logits | L | budget | tree depth | device | top-K | beam | compile | eager | graph | reference | ratio (device) | goal |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "`beam (list)` and `device (list)`: the warp-list beam alone and the whole path with it (budgets <= 256).",
+             "", "| logits | L | budget | tree depth | device | top-K | beam | compile | beam (list) | device (list) | eager "
+             "| graph | reference | ratio (device) | goal |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    us = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     for r in ROWS:
         graph = f"{r['graph_us']:.1f}" if r["graph_us"] is not None else "failed"
+        same = "" if r["list_same_tree"] in (None, True) else " (DIFFERENT TREE)"
         lines.append(f"| {r['kind']} | {r['depth']} | {r['budget']} | {r['tree_depth']} | {r['device_us']:.1f} | {r['topk_device_us']:.1f} | "
-                     f"{r['beam_device_us']:.1f} | {r['compile_device_us']:.1f} | {r['eager_us']:.1f} | {graph} | "
+                     f"{r['beam_device_us']:.1f} | {r['compile_device_us']:.1f} | {us(r['beam_list_device_us'])}{same} | "
+                     f"{us(r['device_list_us'])} | {r['eager_us']:.1f} | {graph} | "
                      f"{r['reference_us']:.0f} | {r['ratio_device']:.0f}x | {r['goal_us']} |")
     with open(os.path.join(out, f"tree_{day}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -73,6 +81,13 @@ def test_tree_device_path(benchmark, provenance, depth, budget, kind):
     beam = event_median(lambda: opt._beam_stage(k, budget, ws, cfg, s, *outs), ahead=True)
     tree = opt.build_tree(x, budget)
     compile_ = event_median(lambda: opt.compile_tree(tree, 0, 1000), ahead=True)
+    list_beam = list_device = list_same = None
+    if budget <= opt.LIST_BMAX:                  # the warp-list beam on the same top-K, and the path with it
+        lcfg = dataclasses.replace(cfg, list_max=opt.LIST_BMAX)
+        list_beam = event_median(lambda: opt._beam_stage(k, budget, ws, lcfg, s, *outs), ahead=True)
+        list_device = event_median(device_path(opt, x, budget, config=lcfg), ahead=True)
+        lt = opt.build_tree(x, budget, config=lcfg)
+        list_same = all(torch.equal(getattr(lt, f), getattr(tree, f)) for f in ("tokens", "depths", "parents", "scores"))
     graph, graph_error = None, None
     try:
         graph = graph_median(fn)
@@ -86,7 +101,10 @@ def test_tree_device_path(benchmark, provenance, depth, budget, kind):
     benchmark.pedantic(run, rounds=30, warmup_rounds=3)
     row = dict(kind=kind, depth=depth, budget=budget, vocab=VOCAB, tree_depth=int(tree.depths.max()), eager_us=eager * 1e6, device_us=device * 1e6,
                build_device_us=build_only * 1e6, topk_device_us=topk * 1e6, beam_device_us=beam * 1e6,
-               compile_device_us=compile_ * 1e6, graph_us=None if graph is None else graph * 1e6,
+               compile_device_us=compile_ * 1e6,
+               beam_list_device_us=None if list_beam is None else list_beam * 1e6,
+               device_list_us=None if list_device is None else list_device * 1e6, list_same_tree=list_same,
+               graph_us=None if graph is None else graph * 1e6,
                graph_error=graph_error, reference_us=reference * 1e6, ratio_eager=reference / eager,
                ratio_device=reference / device, ratio_graph=None if graph is None else reference / graph,
                goal_us=40 if budget <= 256 else 100, floor_us=depth * VOCAB * 4 / 4.24e12 * 1e6)

@@ -10,6 +10,7 @@ Two backends, and every test asserts which one ran:
   - a real GPU (`gpu` marker): the same checks at full shapes (V = 163,840, L = 7 and 15, budgets to 1024),
     plus the speed check against the reference path measured in the same run.
 """
+import dataclasses
 import math
 import os
 import subprocess
@@ -154,9 +155,9 @@ def graph_median(fn, reps: int = 100) -> float:
     return event_median(graph.replay, warmup=5, reps=reps)
 
 
-def device_path(opt, x: torch.Tensor, budget: int, start: int = 1000):
+def device_path(opt, x: torch.Tensor, budget: int, start: int = 1000, config=None):
     """Draft logits on the device -> compiled tree on the device."""
-    return lambda: opt.compile_tree(opt.build_tree(x, budget), 0, start)
+    return lambda: opt.compile_tree(opt.build_tree(x, budget, config=config), 0, start)
 
 
 def reference_path_time(x: torch.Tensor, budget: int, reps: int = 15) -> float:
@@ -198,7 +199,7 @@ import subprocess, sys, types as _t
 import numba.cuda.dispatcher as D
 D.get_current_device = lambda: _t.SimpleNamespace(compute_capability=(9, 0))   # no GPU needed to compile
 from numba import cuda, types
-from optimized.kernels import tree_beam as B, tree_topk as K, tree_verify as V
+from optimized.kernels import tree_beam as B, tree_list as Lst, tree_topk as K, tree_verify as V
 A = lambda dt, nd: types.Array(dt, nd, "C")
 i64, f32, f64, i32, i16 = types.int64, types.float32, types.float64, types.int32, types.int16
 kernels = {
@@ -212,9 +213,12 @@ kernels = {
     "commit_kv": (V.commit_kv, (A(i16, 2), i64, A(i64, 1), A(i64, 1))),
     "gather_rows": (V.gather_rows, (A(i16, 2), A(i64, 1), A(i64, 1), A(i16, 2))),
 }
+beam_sig = (A(f32, 2), A(i64, 2), i64, i64) + (A(i64, 1),) * 3 + (A(f64, 1), A(i64, 1))
 for budget in (16, 32, 64, 128, 256, 512, 1024):       # every beam variant the launcher picks
     kernel, threads = B.beam_for(budget, 1024)
-    kernels[f"beam_T{threads}"] = (kernel, (A(f32, 2), A(i64, 2), i64, i64) + (A(i64, 1),) * 3 + (A(f64, 1), A(i64, 1)))
+    kernels[f"beam_T{threads}"] = (kernel, beam_sig)
+for budget in (64, 128, 256):                          # every warp-list variant: 1, 2, 4 register rows
+    kernels[f"beam_list_B{budget}"] = (Lst.list_for(budget)[0], beam_sig)
 for name, (kernel, sig) in kernels.items():
     ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
     print(name, "ok", len(ptx))
@@ -238,7 +242,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
         pytest.skip("no NVVM/NVRTC to compile with (install the CUDA toolkit or nvidia-cuda-nvrtc): "
                     + out.strip().splitlines()[-1][:200])
     assert proc.returncode == 0, out[-3000:]
-    assert out.count(" ok ") == 12, out
+    assert out.count(" ok ") == 15, out
 
 
 sim_only = pytest.mark.skipif(not SIM_CHILD, reason="runs inside test_simulator_suite's subprocess")
@@ -299,6 +303,25 @@ def test_sim_beam_orders_new_candidates_by_sort_and_by_rank(sim, monkeypatch, ru
 
 
 @sim_only
+@pytest.mark.parametrize("kind, depth, vocab, budget", [
+    ("normal", 3, 16, 8),        # 1 row of 4 lanes (capacity 4 = budget / 2): the frontier overflows, drops
+    ("equal", 3, 6, 12),         # 2 rows: all ties, ordered by rank tuples
+    ("peaked", 4, 5, 12),        # lp == 0: a child ties its parent
+    ("integer", 3, 9, 16),       # 2 rows, sibling ties across parents
+    ("draftlike", 6, 9, 20),     # 4 rows (moves from the rows above and below), a deep tree
+    ("masked", 2, 12, 7),
+    ("normal", 2, 3, 16)])       # fewer nodes than the budget: the frontier empties
+def test_sim_list_beam_matches_reference(sim, kind, depth, vocab, budget):
+    """The warp-list beam (tree_list.py, Config.list_max) gives the reference tree on its own, node for node; the
+    simulator's warp has 4 lanes, so these budgets run 1, 2 and 4 register rows."""
+    from optimized.kernels import tree_list
+    cfg = sim.Config(8, 64, 8, 8, list_max=tree_list.LIST_BMAX)
+    x = logits(kind, depth, vocab, 11)
+    got = sim.build_tree(x, budget, config=cfg, check_values=True)
+    assert_same_tree(got, ref.build_tree(x, budget), f"list beam {kind} L={depth} V={vocab} B={budget}")
+
+
+@sim_only
 @pytest.mark.parametrize("kind, depth, vocab, budget", [("normal", 3, 8, 10), ("peaked", 4, 3, 9),
                                                         ("equal", 2, 4, 20), ("normal", 1, 40, 33)])
 def test_sim_compile_follow_commit(sim, kind, depth, vocab, budget):
@@ -345,6 +368,9 @@ def test_sim_root_only_and_limits(sim):
         sim.build_tree(torch.randn(2, 5), -1)
     with pytest.raises(ValueError, match="NaN"):
         sim.build_tree(torch.tensor([[0.0, float("nan")]]), 2, check_values=True)
+    for bad in (-1, 65, True):
+        with pytest.raises(ValueError, match="list_max"):
+            sim.build_tree(torch.randn(2, 5), 4, config=sim.Config(8, 64, 8, 8, list_max=bad))
 
 
 # ---- real GPU -----------------------------------------------------------------------------------------------
@@ -384,6 +410,32 @@ def test_gpu_build_matches_reference(gpu, kind, depth, vocab, budget, seed, dtyp
     x = logits(kind, depth, vocab, seed, device="cuda").to(dtype)
     got = gpu.build_tree(x, budget, check_values=True)
     assert_same_tree(got, ref.build_tree(x, budget), f"{kind} L={depth} V={vocab} B={budget} {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth", [7, 15])
+@pytest.mark.parametrize("budget", [16, 64, 256])
+@pytest.mark.parametrize("kind", ["normal", "integer", "peaked", "equal", "draftlike"])
+def test_gpu_list_beam_full_shapes_match_reference(gpu, depth, budget, kind):
+    """The warp-list beam (Config.list_max), at full shapes: the reference tree, node for node."""
+    cfg = dataclasses.replace(gpu.DEFAULT_CONFIG, list_max=gpu.LIST_BMAX)
+    x = logits(kind, depth, FULL_V, depth * 1000 + budget, device="cuda")
+    got = gpu.build_tree(x, budget, config=cfg, check_values=True)
+    assert got.tokens.is_cuda
+    assert_same_tree(got, ref.build_tree(x, budget), f"list beam {kind} L={depth} B={budget}")
+
+
+@pytest.mark.gpu
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(KINDS + ("draftlike",)), depth=st.integers(1, 15), vocab=st.integers(1, 5000),
+       budget=st.integers(1, 256), seed=st.integers(0, 2 ** 31 - 1))
+@example(kind="equal", depth=15, vocab=FULL_V, budget=256, seed=0)
+@example(kind="peaked", depth=15, vocab=3, budget=256, seed=0)
+def test_gpu_list_beam_matches_reference(gpu, kind, depth, vocab, budget, seed):
+    cfg = dataclasses.replace(gpu.DEFAULT_CONFIG, list_max=gpu.LIST_BMAX)
+    x = logits(kind, depth, vocab, seed, device="cuda")
+    got = gpu.build_tree(x, budget, config=cfg, check_values=True)
+    assert_same_tree(got, ref.build_tree(x, budget), f"list beam {kind} L={depth} V={vocab} B={budget}")
 
 
 @pytest.mark.gpu

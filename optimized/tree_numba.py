@@ -2,7 +2,8 @@
 
 Same signatures as reference/tree.py (and the same node SET and ORDER, ties included; see its docstring);
 tensors stay on the device. Kernels: optimized/kernels/tree_topk.py (per-depth top-K), tree_beam.py
-(best-first selection), tree_verify.py (compile, follow, commit).
+(best-first selection, a depth per step), tree_list.py (best-first selection, a node per step, one warp: budgets
+up to Config.list_max), tree_verify.py (compile, follow, commit).
 
     tree     = build_tree(draft_logits, budget)          # [L, V] on the GPU -> Tree on the GPU
     compiled = compile_tree(tree, root_token, start)     # CompiledTree + visibility_bits (packed, below)
@@ -28,12 +29,11 @@ from typing import Optional, Union
 import torch
 from numba import cuda
 from .kernels.tree_beam import BMAX, beam_for
+from .kernels.tree_list import LIST_BMAX, MAX_DEPTH, list_for
 from .kernels.tree_device import SIM, WARP
 from .kernels.tree_topk import CAP, DIRECT, EPT, NB, PMAX, SORT_NA, TOPK_T, topk_filter, topk_stats
 from .kernels.tree_verify import commit_kv, compile_rows, follow, gather_rows
 from reference.tree import CompiledTree, Tree, check_build_args, node_count
-
-MAX_DEPTH = 15
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,8 @@ class Config:
                            #   a row has at most PMAX chunks, and a chunk is a multiple of topk_threads * EPT)
     beam_threads: int      # largest beam block (the beam runs min(this, budget rounded up to a power of two))
     follow_threads: int
+    list_max: int = 0      # budgets up to this take the warp-list beam (tree_list.py) instead of tree_beam's;
+                           #   0: never (the default until the GPU bench has compared the two)
 
 
 WAVE_BLOCKS = 4      # top-K blocks resident per SM (256 threads x 64 registers): the grid is at most one wave
@@ -112,6 +114,9 @@ def _check_config(cfg: Config) -> Config:
     if not SIM and cfg.topk_threads != TOPK_T:
         raise ValueError(f"topk_threads must be {TOPK_T} on the GPU (the top-K kernels are compiled for that block), "
                          f"got {cfg.topk_threads}")
+    if isinstance(cfg.list_max, bool) or not isinstance(cfg.list_max, int) or not 0 <= cfg.list_max <= LIST_BMAX:
+        raise ValueError(f"list_max must be an int in 0..{LIST_BMAX} (the warp-list beam's largest budget), "
+                         f"got {cfg.list_max!r}")
     if cfg.topk_threads * SORT_NA < max(DIRECT, BMAX):
         raise ValueError(f"topk_threads {cfg.topk_threads} < {max(DIRECT, BMAX) // SORT_NA}: the top-K's final sort "
                          f"holds {max(DIRECT, BMAX)} keys in {SORT_NA} registers per thread")
@@ -169,10 +174,11 @@ def _topk_stage(x, vocab: int, k: int, ws: _Workspace, cfg: Config, s) -> None:
 
 
 def _beam_stage(k: int, budget: int, ws: _Workspace, cfg: Config, s, tokens, depths, parents, scores) -> None:
-    """One launch: the first `budget` nodes in order into tokens/depths/parents/scores [budget]. The block is
-    the budget rounded up to a power of two (at least a warp), at most cfg.beam_threads threads."""
+    """One launch: the first `budget` nodes in order into tokens/depths/parents/scores [budget]. Budgets up to
+    cfg.list_max: the warp-list beam (one warp); else tree_beam's, in a block of the budget rounded up to a power
+    of two (at least a warp), at most cfg.beam_threads threads."""
     a = ws.a
-    beam, threads = beam_for(budget, cfg.beam_threads)
+    beam, threads = list_for(budget) if budget <= cfg.list_max else beam_for(budget, cfg.beam_threads)
     beam[1, threads, s](a["top_lp"], a["top_id"], k, budget, _arr(tokens), _arr(depths), _arr(parents),
                                  _arr(scores), a["count"])
 

@@ -61,6 +61,25 @@ if SIM:
         return y
 
     @cuda.jit(**DEVICE)
+    def ballot(pred, buf):
+        """Bit l set iff lane l of this warp passed a true pred."""
+        tid = cuda.threadIdx.x
+        buf[tid] = 1 if pred else 0
+        cuda.syncthreads()
+        base = tid - tid % WARP
+        bits = 0
+        for lane in range(WARP):
+            if buf[base + lane] != 0:
+                bits |= 1 << lane
+        cuda.syncthreads()
+        return bits
+
+    @cuda.jit(**DEVICE)
+    def warp_sync():
+        """Orders the warp's shared-memory accesses (a block barrier: the simulator's callers run one warp)."""
+        cuda.syncthreads()
+
+    @cuda.jit(**DEVICE)
     def f32_bits(x):
         """The int32 bit pattern of an fp32 value."""
         return np.int64(np.array([x], dtype=np.float32).view(np.int32)[0])
@@ -86,6 +105,14 @@ else:
     @cuda.jit(device=True, inline=True)
     def shfl_xor(x, mask, buf):
         return cuda.shfl_xor_sync(FULL_MASK, x, mask)
+
+    @cuda.jit(device=True, inline=True)
+    def ballot(pred, buf):
+        return cuda.ballot_sync(FULL_MASK, pred)
+
+    @cuda.jit(device=True, inline=True)
+    def warp_sync():
+        cuda.syncwarp(FULL_MASK)
 
     @cuda.jit(device=True, inline=True)
     def f32_bits(x):
