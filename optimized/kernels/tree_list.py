@@ -39,27 +39,27 @@ FAR = 1 << 30                     # the position of an absent new candidate
 
 
 @cuda.jit(**DEVICE)
+def tuple_digits(aux, dig, npar, nrank):
+    """dig[:depth] = the rank tuple of the candidate `aux`: its parent's tuple (the taken nodes' npar/nrank chain,
+    a depth less per step) and its own rank. Returns the depth."""
+    depth = aux & M4
+    dig[depth - 1] = (aux >> RANK_SHIFT) & M10
+    x = aux >> PAR_SHIFT
+    j = depth - 2
+    while x != 0:
+        dig[j] = nrank[x]
+        x = npar[x]
+        j -= 1
+    return depth
+
+
+@cuda.jit(**DEVICE)
 def tuple_less(aa, ab, npar, nrank):
-    """The rank tuple of candidate aa precedes that of candidate ab (lexicographic, a proper prefix first).
-    A candidate's tuple is its parent's tuple (taken node npar/nrank chains, depth one less per step) plus its rank."""
+    """The rank tuple of candidate aa precedes that of candidate ab (lexicographic, a proper prefix first)."""
     dig_a = cuda.local.array(MAX_DEPTH, np.int32)
     dig_b = cuda.local.array(MAX_DEPTH, np.int32)
-    da = aa & M4
-    db = ab & M4
-    dig_a[da - 1] = (aa >> RANK_SHIFT) & M10
-    dig_b[db - 1] = (ab >> RANK_SHIFT) & M10
-    x = aa >> PAR_SHIFT
-    j = da - 2
-    while x != 0:
-        dig_a[j] = nrank[x]
-        x = npar[x]
-        j -= 1
-    x = ab >> PAR_SHIFT
-    j = db - 2
-    while x != 0:
-        dig_b[j] = nrank[x]
-        x = npar[x]
-        j -= 1
+    da = tuple_digits(aa, dig_a, npar, nrank)
+    db = tuple_digits(ab, dig_b, npar, nrank)
     for j in range(min(da, db)):
         if dig_a[j] != dig_b[j]:
             return dig_a[j] < dig_b[j]
