@@ -10,7 +10,7 @@ export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-dev} PYTHONDONTWRITEBYTECODE=1 D
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
 q="-q -p no:cacheprovider --tb=short"
 
-timeout ${TEST_TIMEOUT:-120} python3 -m pytest conformance/test_tree_numba.py -k gpu $q -rP > "$OUT/tree_tests.txt" 2>&1
+timeout ${TEST_TIMEOUT:-180} python3 -m pytest conformance/test_tree_numba.py -k gpu $q -rP > "$OUT/tree_tests.txt" 2>&1
 echo "conformance rc=$?"; grep -E "passed|failed|FAILED" "$OUT/tree_tests.txt" | tail -5
 
 timeout ${BENCH_TIMEOUT:-180} python3 -m pytest bench/test_bench_tree.py $q "$@" > "$OUT/tree_bench.txt" 2>&1
