@@ -207,6 +207,8 @@ kernels = {
                                   A(i32, 1), A(i64, 2))),
     "topk_filter": (K.topk_filter, (A(f32, 2), i64, i64, i64, A(f64, 1), A(i64, 2), A(i32, 2), A(i64, 2),
                                     A(f32, 2), A(i64, 2))),
+    "topk_fused": (K.topk_fused, (A(f32, 2), i64, i64, A(f64, 2), A(f64, 2), A(i64, 2), A(f64, 1), A(i32, 2),
+                                  A(i64, 2), A(f32, 2), A(i64, 2))),
     "compile_rows": (V.compile_rows, (A(i64, 1),) * 4 + (i64, i64) + (A(i64, 1),) * 4
                      + (A(types.boolean, 2), A(i32, 2))),
     "follow": (V.follow, (A(i64, 1),) * 6),
@@ -242,7 +244,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
         pytest.skip("no NVVM/NVRTC to compile with (install the CUDA toolkit or nvidia-cuda-nvrtc): "
                     + out.strip().splitlines()[-1][:200])
     assert proc.returncode == 0, out[-3000:]
-    assert out.count(" ok ") == 15, out
+    assert out.count(" ok ") == 16, out
 
 
 sim_only = pytest.mark.skipif(not SIM_CHILD, reason="runs inside test_simulator_suite's subprocess")
@@ -322,6 +324,51 @@ def test_sim_list_beam_matches_reference(sim, kind, depth, vocab, budget):
 
 
 @sim_only
+@pytest.mark.parametrize("kind", KINDS + ("draftlike",))
+@pytest.mark.parametrize("vocab, budget", [(5, 4), (40, 3), (61, 6), (64, 8)])
+def test_sim_fused_topk_matches_reference(sim, kind, vocab, budget, monkeypatch):
+    """The one-launch top-K (topk_fused, Config.fused_max): the reference candidates and tree. A simulator chunk
+    is 8 threads x 2 = 16 ids, so these rows have 1 to 4 chunks; the tie kinds (equal, integer, collapse, masked)
+    make chunks' excluded tokens tie the K-th and take the whole-row select, which the test counts."""
+    from optimized.kernels import tree_topk
+    calls = []
+    select = tree_topk.select_top
+
+    def counting(keys, n, k, whole, *rest):                    # the simulator looks globals up at run time;
+        calls.append(bool(whole))                              #   every thread of the block calls it
+        return select(keys, n, k, whole, *rest)
+
+    monkeypatch.setattr(tree_topk, "select_top", counting)
+    cfg = sim.Config(8, 64, 8, 8, fused_max=32)
+    x = logits(kind, 3, vocab, 13)
+    got = sim.build_tree(x, budget, config=cfg, check_values=True)
+    k = min(budget, vocab)
+    assert sim._workspace(x.device, 3, vocab, k, budget, cfg).fused, "the fused top-K did not run"
+    what = f"fused {kind} V={vocab} B={budget}"
+    assert_same_topk(sim, x, budget, what)
+    assert_same_tree(got, ref.build_tree(x, budget), what)
+    whole, total = sum(calls) // 8, len(calls) // 8            # per block (8 threads)
+    assert total >= 3, calls                                   # one select per row at least
+    if kind == "collapse" and vocab > 16:
+        assert whole > 0, f"{what}: the whole-row select never ran"
+    print(f"{what}: {whole} whole-row selects of {total}")
+
+
+@sim_only
+def test_sim_fused_topk_overflow_selects_whole_rows(sim, monkeypatch):
+    """More candidates than CAP (shrunk to 8 here) send the fused top-K to the whole-row select."""
+    from optimized.kernels import tree_topk
+    monkeypatch.setattr(tree_topk, "CAP", 8)
+    cfg = sim.Config(8, 64, 8, 8, fused_max=32)
+    for kind in ("normal", "equal", "integer"):
+        x = logits(kind, 2, 40, 5)
+        got = sim.build_tree(x, 3, config=cfg, check_values=True)
+        assert sim._workspace(x.device, 2, 40, 3, 3, cfg).fused
+        assert_same_topk(sim, x, 3, f"overflow {kind}")
+        assert_same_tree(got, ref.build_tree(x, 3), f"overflow {kind}")
+
+
+@sim_only
 @pytest.mark.parametrize("kind, depth, vocab, budget", [("normal", 3, 8, 10), ("peaked", 4, 3, 9),
                                                         ("equal", 2, 4, 20), ("normal", 1, 40, 33)])
 def test_sim_compile_follow_commit(sim, kind, depth, vocab, budget):
@@ -371,6 +418,8 @@ def test_sim_root_only_and_limits(sim):
     for bad in (-1, 65, True):
         with pytest.raises(ValueError, match="list_max"):
             sim.build_tree(torch.randn(2, 5), 4, config=sim.Config(8, 64, 8, 8, list_max=bad))
+        with pytest.raises(ValueError, match="fused_max"):
+            sim.build_tree(torch.randn(2, 5), 4, config=sim.Config(8, 64, 8, 8, fused_max=bad))
 
 
 # ---- real GPU -----------------------------------------------------------------------------------------------
@@ -436,6 +485,21 @@ def test_gpu_list_beam_matches_reference(gpu, kind, depth, vocab, budget, seed):
     x = logits(kind, depth, vocab, seed, device="cuda")
     got = gpu.build_tree(x, budget, config=cfg, check_values=True)
     assert_same_tree(got, ref.build_tree(x, budget), f"list beam {kind} L={depth} V={vocab} B={budget}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth, vocab", [(7, FULL_V), (15, FULL_V), (15, 5000), (3, 4097)])
+@pytest.mark.parametrize("budget", [1, 16, 32])
+@pytest.mark.parametrize("kind", KINDS + ("draftlike",))
+def test_gpu_fused_topk_matches_reference(gpu, depth, vocab, budget, kind):
+    """The one-launch top-K (Config.fused_max) with the list beam: the reference candidates and tree."""
+    cfg = dataclasses.replace(gpu.DEFAULT_CONFIG, fused_max=gpu.CAP // 2, list_max=gpu.LIST_BMAX)
+    x = logits(kind, depth, vocab, depth * 1000 + budget, device="cuda")
+    got = gpu.build_tree(x, budget, config=cfg, check_values=True)
+    assert gpu._workspace(x.device, depth, vocab, min(budget, vocab), budget, cfg).fused
+    what = f"fused {kind} L={depth} V={vocab} B={budget}"
+    assert_same_topk(gpu, x, budget, what)
+    assert_same_tree(got, ref.build_tree(x, budget), what)
 
 
 @pytest.mark.gpu
