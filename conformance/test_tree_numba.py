@@ -45,6 +45,9 @@ def logits(kind: str, depth: int, vocab: int, seed: int, device="cpu") -> torch.
     elif kind == "collapse":              # distinct logits whose log-probs round to one fp32 value: ties in lp
         x = torch.randn(depth, vocab, generator=g) * 1e-6   # (|x - lse| ~ 12.7: an fp32 ulp there is ~1e-6)
         x[:, : max(1, vocab // 8)] = 12.0
+    elif kind == "cut":                   # a favourite, then distinct logits that all round to one log-prob: a
+        x = torch.randn(depth, vocab, generator=g) * 1e-7   # K-th candidate past the favourites ties tokens left
+        x[:, 0] = 12.0                                        # below a chunk's cut (topk_fused's whole-row select)
     elif kind == "draftlike":             # one favourite per depth, top-1 probability ~0.6 to ~0.995
         top = torch.randint(0, vocab, (depth,), generator=g)
         x[torch.arange(depth), top] += 17 + 5 * torch.rand(depth, generator=g)
@@ -323,13 +326,34 @@ def test_sim_list_beam_matches_reference(sim, kind, depth, vocab, budget):
     assert_same_tree(got, ref.build_tree(x, budget), f"list beam {kind} L={depth} V={vocab} B={budget}")
 
 
+def fused_whole_rows(x: torch.Tensor, k: int, chunk: int, cap: int) -> int:
+    """How many rows topk_fused must select whole, from the reference's log-probs: a row whose chunk (`chunk`
+    consecutive ids) leaves out, below its own K-th largest logit's 24-bit key prefix, a token whose log-prob is
+    not below the row's K-th (a tie across the cut), or whose chunks emit more than `cap` candidates."""
+    lp = ref.draft_log_probs(x)
+    bits = x.float().view(torch.int32).long()
+    keys = torch.where(bits < 0, 0x7FFFFFFF - (bits & 0x7FFFFFFF), 0x80000000 + bits) >> 8   # sortable_key >> 8
+    rows = 0
+    for r in range(x.shape[0]):
+        lp_k = torch.sort(lp[r], descending=True).values[k - 1]
+        tie, n = False, 0
+        for lo in range(0, x.shape[1], chunk):
+            key, part = keys[r, lo:lo + chunk], lp[r, lo:lo + chunk]
+            left_out = key < torch.sort(key, descending=True).values[k - 1] if key.numel() > k else key < 0
+            n += int((~left_out).sum())
+            tie = tie or bool((part[left_out] >= lp_k).any())
+        rows += tie or n > cap
+    return rows
+
+
 @sim_only
-@pytest.mark.parametrize("kind", KINDS + ("draftlike",))
+@pytest.mark.parametrize("kind", KINDS + ("draftlike", "cut"))
 @pytest.mark.parametrize("vocab, budget", [(5, 4), (40, 3), (61, 6), (64, 8)])
 def test_sim_fused_topk_matches_reference(sim, kind, vocab, budget, monkeypatch):
     """The one-launch top-K (topk_fused, Config.fused_max): the reference candidates and tree. A simulator chunk
-    is 8 threads x 2 = 16 ids, so these rows have 1 to 4 chunks; the tie kinds (equal, integer, collapse, masked)
-    make chunks' excluded tokens tie the K-th and take the whole-row select, which the test counts."""
+    is 8 threads x 2 = 16 ids, so these rows have 1 to 4 chunks. The rows that must take the whole-row select
+    (a token left below a chunk's cut ties the K-th log-prob: the "cut" kind at V > 16) are counted from the
+    reference (fused_whole_rows) and must equal the whole-row selects the kernel ran."""
     from optimized.kernels import tree_topk
     calls = []
     select = tree_topk.select_top
@@ -349,8 +373,10 @@ def test_sim_fused_topk_matches_reference(sim, kind, vocab, budget, monkeypatch)
     assert_same_tree(got, ref.build_tree(x, budget), what)
     whole, total = sum(calls) // 8, len(calls) // 8            # per block (8 threads)
     assert total >= 3, calls                                   # one select per row at least
-    if kind == "collapse" and vocab > 16:
-        assert whole > 0, f"{what}: the whole-row select never ran"
+    need = fused_whole_rows(x, k, cfg.topk_threads * tree_topk.FEPT, tree_topk.CAP)
+    if kind == "cut" and vocab > 16:
+        assert need > 0, f"{what}: the case no longer ties across a chunk's cut"
+    assert whole == need, f"{what}: {whole} whole-row selects, {need} rows tie across a chunk's cut"
     print(f"{what}: {whole} whole-row selects of {total}")
 
 
@@ -490,7 +516,7 @@ def test_gpu_list_beam_matches_reference(gpu, kind, depth, vocab, budget, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("depth, vocab", [(7, FULL_V), (15, FULL_V), (15, 5000), (3, 4097)])
 @pytest.mark.parametrize("budget", [1, 16, 32])
-@pytest.mark.parametrize("kind", KINDS + ("draftlike",))
+@pytest.mark.parametrize("kind", KINDS + ("draftlike", "cut"))
 def test_gpu_fused_topk_matches_reference(gpu, depth, vocab, budget, kind):
     """The one-launch top-K (Config.fused_max) with the list beam: the reference candidates and tree."""
     cfg = dataclasses.replace(gpu.DEFAULT_CONFIG, fused_max=gpu.CAP // 2, list_max=gpu.LIST_BMAX)

@@ -166,7 +166,7 @@ class _TorchOps:
 class _CudaOps:
     """The suite's kernels: Numba tree stages, CuPy MLA attention and INT4 MoE; no host sync anywhere."""
 
-    def __init__(self):
+    def __init__(self, tree_config=None):
         try:
             from . import tree_numba
             from .mla_attention import tree_attention
@@ -178,9 +178,10 @@ class _CudaOps:
                                "backend='torch'")
         from .norm_rope import rms_norm, rope
         self._tree, self._attn, self._norm, self.rope = tree_numba, tree_attention, rms_norm, rope
+        self.tree_config = tree_numba._check_config(tree_config or tree_numba.DEFAULT_CONFIG)
 
     def build_tree(self, logits: torch.Tensor, budget: int) -> Tree:
-        return self._tree.build_tree(logits.float(), budget)
+        return self._tree.build_tree(logits.float(), budget, config=self.tree_config)
 
     def compile(self, tree: Tree, root: torch.Tensor):
         ct = self._tree.compile_tree(tree, root, 0)
@@ -265,12 +266,14 @@ class Engine:
     from the target once, the held `experts` only). max_seq_len: prompt + new tokens the buffers hold per
     request. max_requests: requests decoded together in one round (generate_batch); every round then runs one
     drafter forward, one verify forward and one MoE pass per layer over all requests' rows together.
+    tree_config: the cuda backend's tree launch geometry and kernel choice (an optimized.tree_numba.Config;
+    default tree_numba.DEFAULT_CONFIG), e.g. to A/B the list beam or the one-launch top-K inside the engine.
     """
 
     def __init__(self, target: Target, drafter: Optional[Drafter] = None, *, backend: str = "cuda",
                  eager: bool = False, max_seq_len: Optional[int] = None, moe_weights: Optional[dict] = None,
                  experts: Optional[Sequence[int]] = None, group=None, stage_timing: bool = False,
-                 max_requests: int = 1):
+                 max_requests: int = 1, tree_config=None):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         cfg = target.cfg
@@ -289,10 +292,13 @@ class Engine:
             if self.dtype != torch.bfloat16:
                 raise ValueError(f"backend='cuda' runs bf16 (the kernels are W4A16 / bf16 MLA); the target is "
                                  f"{self.dtype}: load it with dtype=torch.bfloat16 or pass backend='torch'")
-            self.ops = _CudaOps()
+            self.ops = _CudaOps(tree_config)
         else:
             if not eager:
                 eager = True      # the torch backend syncs inside the round: graphs do not apply (documented)
+            if tree_config is not None:
+                raise ValueError("tree_config selects the cuda backend's tree kernels; the torch backend builds "
+                                 "trees with reference.tree (pass tree_config=None)")
             self.ops = _TorchOps()
         self.backend, self.eager, self.stage_timing = backend, eager, stage_timing
         self.group = group
