@@ -1,6 +1,6 @@
-"""The engine on the trained pair with each tree-kernel choice (issue 5 -> issue 8): the default tree path, the
-warp-list beam (Config.list_max), and the list beam with the one-launch top-K (Config.fused_max), one Engine each
-in the same process, same prompts. Every choice must give the same tokens (the trees are equal by conformance);
+"""The engine on the trained pair with each tree-kernel choice (issue 5 -> issue 8): tree_beam alone
+(Config.list_max = 0), the default (the warp-list beam up to budget LIST_DEFAULT) and the warp-list beam up to its
+largest budget, one Engine each in the same process, same prompts. Every choice must give the same tokens (the trees are equal by conformance);
 the A/B is tokens/s and the tree stage's device ms per round.
 
     python bench/engine_tree_ab.py [--out DIR]      (writes DIR/engine_tree_ab.{json,md}; prints the table)
@@ -36,8 +36,8 @@ NEW = 128
 def choices() -> dict:
     base = tree_numba.DEFAULT_CONFIG
     return {"default": base,
-            "list": dataclasses.replace(base, list_max=tree_numba.LIST_BMAX, fused_max=0),
-            "list+fused": dataclasses.replace(base, list_max=tree_numba.LIST_BMAX, fused_max=tree_numba.CAP // 2)}
+            "tree_beam": dataclasses.replace(base, list_max=0),
+            "list": dataclasses.replace(base, list_max=tree_numba.LIST_BMAX)}
 
 
 def timed_pass(engine, prompts, mode, budget):
@@ -79,7 +79,7 @@ def main() -> None:
             row = dict(tree=name, mode=mode, budget=budget, tokens=n, seconds=statistics.median(secs),
                        tokens_per_s=n / statistics.median(secs), tau=sum(lengths) / len(lengths),
                        same_tokens_as_default=same, stage_ms_per_round=timing.per_round(),
-                       list_max=cfg.list_max, fused_max=cfg.fused_max)
+                       list_max=cfg.list_max)
             rows.append(row)
             st = row["stage_ms_per_round"]
             print(f"{name:10s} {mode:6s} {str(budget):>4s} {row['tokens_per_s']:7.0f} tok/s tau {row['tau']:.2f} "

@@ -6,13 +6,12 @@ probability ~0.6..0.995: deep trees, the beam runs every depth).
 
 Times (CUDA events, warm-up, median of 100; extra_info, microseconds):
   eager_us   launches as a synchronous caller issues them (Numba's per-launch CPU cost included)
-  topk_device_us, beam_device_us, compile_device_us: the stages alone (device execution)
+  topk_device_us, beam_device_us, compile_device_us: the stages alone (device execution); beam: tree_beam's
   beam_list_device_us, device_list_us: the warp-list beam (tree_list.py, Config.list_max) alone, and the whole
              path with it, at budgets up to LIST_BMAX (list_same_tree: it built the same tree)
-  topk_fused_device_us, device_fused_us: the one-launch top-K (topk_fused, Config.fused_max) alone, and the
-             whole path with it and the list beam, where K fits it (fused_same_tree: the same tree)
-  device_us  device execution only: a spin kernel is queued first so the CPU has issued every launch
-             before the GPU starts (the engine's case: the CPU runs ahead of the GPU)
+  device_us  the default path (DEFAULT_CONFIG: the list beam up to budget LIST_DEFAULT), device execution only:
+             a spin kernel is queued first so the CPU has issued every launch before the GPU starts (the
+             engine's case: the CPU runs ahead of the GPU)
   graph_us   one replay of the path captured in a CUDA graph (graph_error says why when capture fails)
   reference_us, ratio_* = reference / ours; goal_us: <= 40 us at budget <= 256, <= 100 us at 1024.
 Floor: reading the fp32 logits once is 9.8 MB / 4.24 TB/s = 2.3 us at L = 15 (1.1 us at L = 7); the path is
@@ -35,6 +34,11 @@ VOCAB = 163_840
 ROWS: list = []
 
 
+def opt_list_default() -> int:
+    from optimized import tree_numba
+    return tree_numba.LIST_DEFAULT
+
+
 def _write_summary(info: dict) -> None:
     out = os.environ.get("DDTREE_BENCH_OUT")
     if not out:
@@ -45,20 +49,19 @@ def _write_summary(info: dict) -> None:
         json.dump({"provenance": info, "results": ROWS}, f, indent=1)
     lines = [f"# Tree path on {info.get('gpu', '?')} ({day}, commit {info.get('commit', '?')})", "",
              "V = 163,840; draft logits on the device -> compiled tree on the device. Microseconds (median).",
-             "`beam (list)` and `device (list)`: the warp-list beam alone and the whole path with it (budgets <= 256).",
-             "`top-K (fused)` and `device (fused+list)`: the one-launch top-K alone and the path with it and the list "
-             "beam (small K only).",
-             "", "| logits | L | budget | tree depth | device | top-K | beam | compile | beam (list) | device (list) "
-             "| top-K (fused) | device (fused+list) | eager | graph | reference | ratio (device) | goal |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"`device`: the default path (the warp-list beam up to budget {opt_list_default()}, tree_beam above); `beam`: "
+             "tree_beam alone; `beam (list)` and `device (list)`: the warp-list beam alone and the whole path with it "
+             "(budgets <= 256).",
+             "", "| logits | L | budget | tree depth | device | top-K | beam | compile | beam (list) | device (list) | eager "
+             "| graph | reference | ratio (device) | goal |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     us = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     for r in ROWS:
         graph = f"{r['graph_us']:.1f}" if r["graph_us"] is not None else "failed"
         same = "" if r["list_same_tree"] in (None, True) else " (DIFFERENT TREE)"
-        fsame = "" if r["fused_same_tree"] in (None, True) else " (DIFFERENT TREE)"
         lines.append(f"| {r['kind']} | {r['depth']} | {r['budget']} | {r['tree_depth']} | {r['device_us']:.1f} | {r['topk_device_us']:.1f} | "
                      f"{r['beam_device_us']:.1f} | {r['compile_device_us']:.1f} | {us(r['beam_list_device_us'])}{same} | "
-                     f"{us(r['device_list_us'])} | {us(r['topk_fused_device_us'])} | {us(r['device_fused_us'])}{fsame} | {r['eager_us']:.1f} | {graph} | "
+                     f"{us(r['device_list_us'])} | {r['eager_us']:.1f} | {graph} | "
                      f"{r['reference_us']:.0f} | {r['ratio_device']:.0f}x | {r['goal_us']} |")
     with open(os.path.join(out, f"tree_{day}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -79,12 +82,13 @@ def test_tree_device_path(benchmark, provenance, depth, budget, kind):
     device = event_median(fn, ahead=True)
     build_only = event_median(lambda: opt.build_tree(x, budget), ahead=True)
     k = min(budget, VOCAB)                       # per-stage device times (the workspace build_tree used)
-    ws = [w for key, w in opt._workspaces.items() if key[1:5] == (depth, VOCAB, k, budget)][-1]
     xa, s, cfg = opt._arr(x.float().contiguous()), opt._stream(x.device), opt.DEFAULT_CONFIG
+    ws = opt._workspace(x.device, depth, VOCAB, k, budget, cfg)
     outs = [torch.empty(budget, dtype=dt, device="cuda") for dt in (torch.long,) * 3 + (torch.float64,)]
     topk = event_median(lambda: opt._topk_stage(xa, VOCAB, k, ws, cfg, s), ahead=True)
-    beam = event_median(lambda: opt._beam_stage(k, budget, ws, cfg, s, *outs), ahead=True)
-    tree = opt.build_tree(x, budget)
+    bcfg = dataclasses.replace(cfg, list_max=0)  # tree_beam alone (the default takes the list beam up to LIST_DEFAULT)
+    beam = event_median(lambda: opt._beam_stage(k, budget, ws, bcfg, s, *outs), ahead=True)
+    tree = opt.build_tree(x, budget, config=bcfg)
     compile_ = event_median(lambda: opt.compile_tree(tree, 0, 1000), ahead=True)
     list_beam = list_device = list_same = None
     if budget <= opt.LIST_BMAX:                  # the warp-list beam on the same top-K, and the path with it
@@ -93,14 +97,6 @@ def test_tree_device_path(benchmark, provenance, depth, budget, kind):
         list_device = event_median(device_path(opt, x, budget, config=lcfg), ahead=True)
         lt = opt.build_tree(x, budget, config=lcfg)
         list_same = all(torch.equal(getattr(lt, f), getattr(tree, f)) for f in ("tokens", "depths", "parents", "scores"))
-    fused_topk = fused_device = fused_same = None
-    fcfg = dataclasses.replace(cfg, fused_max=opt.CAP // 2, list_max=opt.LIST_BMAX if budget <= opt.LIST_BMAX else 0)
-    ft = opt.build_tree(x, budget, config=fcfg)
-    fws = opt._workspace(x.device, depth, VOCAB, k, budget, fcfg)
-    if fws.fused:                                # the one-launch top-K, alone and in the path
-        fused_topk = event_median(lambda: opt._topk_stage(xa, VOCAB, k, fws, fcfg, s), ahead=True)
-        fused_device = event_median(device_path(opt, x, budget, config=fcfg), ahead=True)
-        fused_same = all(torch.equal(getattr(ft, f), getattr(tree, f)) for f in ("tokens", "depths", "parents", "scores"))
     graph, graph_error = None, None
     try:
         graph = graph_median(fn)
@@ -117,8 +113,6 @@ def test_tree_device_path(benchmark, provenance, depth, budget, kind):
                compile_device_us=compile_ * 1e6,
                beam_list_device_us=None if list_beam is None else list_beam * 1e6,
                device_list_us=None if list_device is None else list_device * 1e6, list_same_tree=list_same,
-               topk_fused_device_us=None if fused_topk is None else fused_topk * 1e6,
-               device_fused_us=None if fused_device is None else fused_device * 1e6, fused_same_tree=fused_same,
                graph_us=None if graph is None else graph * 1e6,
                graph_error=graph_error, reference_us=reference * 1e6, ratio_eager=reference / eager,
                ratio_device=reference / device, ratio_graph=None if graph is None else reference / graph,

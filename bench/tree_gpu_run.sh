@@ -16,10 +16,6 @@ echo "conformance rc=$?"; grep -E "passed|failed|FAILED" "$OUT/tree_tests.txt" |
 timeout ${BENCH_TIMEOUT:-180} python3 -m pytest bench/test_bench_tree.py $q "$@" > "$OUT/tree_bench.txt" 2>&1
 echo "bench rc=$?"
 
-for e in 16 32; do   # the one-launch top-K's values per thread (tuning)
-  DDTREE_TOPK_FUSED_EPT=$e timeout ${PROBE_TIMEOUT:-60} python3 bench/tree_fused_probe.py 2>&1 | tail -12
-done
-
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 timeout ${NCU_TIMEOUT:-90} "$NCU" --kernel-name regex:'topk|beam' --launch-skip 6 --launch-count 3 \
   --metrics gpu__time_duration.sum python3 bench/tree_profile.py 15 256 draftlike > "$OUT/ncu_tree.txt" 2>&1

@@ -45,9 +45,6 @@ def logits(kind: str, depth: int, vocab: int, seed: int, device="cpu") -> torch.
     elif kind == "collapse":              # distinct logits whose log-probs round to one fp32 value: ties in lp
         x = torch.randn(depth, vocab, generator=g) * 1e-6   # (|x - lse| ~ 12.7: an fp32 ulp there is ~1e-6)
         x[:, : max(1, vocab // 8)] = 12.0
-    elif kind == "cut":                   # a favourite, then distinct logits that all round to one log-prob: a
-        x = torch.randn(depth, vocab, generator=g) * 1e-7   # K-th candidate past the favourites ties tokens left
-        x[:, 0] = 12.0                                        # below a chunk's cut (topk_fused's whole-row select)
     elif kind == "draftlike":             # one favourite per depth, top-1 probability ~0.6 to ~0.995
         top = torch.randint(0, vocab, (depth,), generator=g)
         x[torch.arange(depth), top] += 17 + 5 * torch.rand(depth, generator=g)
@@ -210,8 +207,6 @@ kernels = {
                                   A(i32, 1), A(i64, 2))),
     "topk_filter": (K.topk_filter, (A(f32, 2), i64, i64, i64, A(f64, 1), A(i64, 2), A(i32, 2), A(i64, 2),
                                     A(f32, 2), A(i64, 2))),
-    "topk_fused": (K.topk_fused, (A(f32, 2), i64, i64, A(f64, 2), A(f64, 2), A(i64, 2), A(f64, 1), A(i32, 2),
-                                  A(i64, 2), A(f32, 2), A(i64, 2))),
     "compile_rows": (V.compile_rows, (A(i64, 1),) * 4 + (i64, i64) + (A(i64, 1),) * 4
                      + (A(types.boolean, 2), A(i32, 2))),
     "follow": (V.follow, (A(i64, 1),) * 6),
@@ -247,7 +242,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
         pytest.skip("no NVVM/NVRTC to compile with (install the CUDA toolkit or nvidia-cuda-nvrtc): "
                     + out.strip().splitlines()[-1][:200])
     assert proc.returncode == 0, out[-3000:]
-    assert out.count(" ok ") == 16, out
+    assert out.count(" ok ") == 15, out
 
 
 sim_only = pytest.mark.skipif(not SIM_CHILD, reason="runs inside test_simulator_suite's subprocess")
@@ -326,74 +321,6 @@ def test_sim_list_beam_matches_reference(sim, kind, depth, vocab, budget):
     assert_same_tree(got, ref.build_tree(x, budget), f"list beam {kind} L={depth} V={vocab} B={budget}")
 
 
-def fused_whole_rows(x: torch.Tensor, k: int, chunk: int, cap: int) -> int:
-    """How many rows topk_fused must select whole, from the reference's log-probs: a row whose chunk (`chunk`
-    consecutive ids) leaves out, below its own K-th largest logit's 24-bit key prefix, a token whose log-prob is
-    not below the row's K-th (a tie across the cut), or whose chunks emit more than `cap` candidates."""
-    lp = ref.draft_log_probs(x)
-    bits = x.float().view(torch.int32).long()
-    keys = torch.where(bits < 0, 0x7FFFFFFF - (bits & 0x7FFFFFFF), 0x80000000 + bits) >> 8   # sortable_key >> 8
-    rows = 0
-    for r in range(x.shape[0]):
-        lp_k = torch.sort(lp[r], descending=True).values[k - 1]
-        tie, n = False, 0
-        for lo in range(0, x.shape[1], chunk):
-            key, part = keys[r, lo:lo + chunk], lp[r, lo:lo + chunk]
-            left_out = key < torch.sort(key, descending=True).values[k - 1] if key.numel() > k else key < 0
-            n += int((~left_out).sum())
-            tie = tie or bool((part[left_out] >= lp_k).any())
-        rows += tie or n > cap
-    return rows
-
-
-@sim_only
-@pytest.mark.parametrize("kind", KINDS + ("draftlike", "cut"))
-@pytest.mark.parametrize("vocab, budget", [(5, 4), (40, 3), (61, 6), (64, 8)])
-def test_sim_fused_topk_matches_reference(sim, kind, vocab, budget, monkeypatch):
-    """The one-launch top-K (topk_fused, Config.fused_max): the reference candidates and tree. A simulator chunk
-    is 8 threads x 2 = 16 ids, so these rows have 1 to 4 chunks. The rows that must take the whole-row select
-    (a token left below a chunk's cut ties the K-th log-prob: the "cut" kind at V > 16) are counted from the
-    reference (fused_whole_rows) and must equal the whole-row selects the kernel ran."""
-    from optimized.kernels import tree_topk
-    calls = []
-    select = tree_topk.select_top
-
-    def counting(keys, n, k, whole, *rest):                    # the simulator looks globals up at run time;
-        calls.append(bool(whole))                              #   every thread of the block calls it
-        return select(keys, n, k, whole, *rest)
-
-    monkeypatch.setattr(tree_topk, "select_top", counting)
-    cfg = sim.Config(8, 64, 8, 8, fused_max=32)
-    x = logits(kind, 3, vocab, 13)
-    got = sim.build_tree(x, budget, config=cfg, check_values=True)
-    k = min(budget, vocab)
-    assert sim._workspace(x.device, 3, vocab, k, budget, cfg).fused, "the fused top-K did not run"
-    what = f"fused {kind} V={vocab} B={budget}"
-    assert_same_topk(sim, x, budget, what)
-    assert_same_tree(got, ref.build_tree(x, budget), what)
-    whole, total = sum(calls) // 8, len(calls) // 8            # per block (8 threads)
-    assert total >= 3, calls                                   # one select per row at least
-    need = fused_whole_rows(x, k, cfg.topk_threads * tree_topk.FEPT, tree_topk.CAP)
-    if kind == "cut" and vocab > 16:
-        assert need > 0, f"{what}: the case no longer ties across a chunk's cut"
-    assert whole == need, f"{what}: {whole} whole-row selects, {need} rows tie across a chunk's cut"
-    print(f"{what}: {whole} whole-row selects of {total}")
-
-
-@sim_only
-def test_sim_fused_topk_overflow_selects_whole_rows(sim, monkeypatch):
-    """More candidates than CAP (shrunk to 8 here) send the fused top-K to the whole-row select."""
-    from optimized.kernels import tree_topk
-    monkeypatch.setattr(tree_topk, "CAP", 8)
-    cfg = sim.Config(8, 64, 8, 8, fused_max=32)
-    for kind in ("normal", "equal", "integer"):
-        x = logits(kind, 2, 40, 5)
-        got = sim.build_tree(x, 3, config=cfg, check_values=True)
-        assert sim._workspace(x.device, 2, 40, 3, 3, cfg).fused
-        assert_same_topk(sim, x, 3, f"overflow {kind}")
-        assert_same_tree(got, ref.build_tree(x, 3), f"overflow {kind}")
-
-
 @sim_only
 @pytest.mark.parametrize("kind, depth, vocab, budget", [("normal", 3, 8, 10), ("peaked", 4, 3, 9),
                                                         ("equal", 2, 4, 20), ("normal", 1, 40, 33)])
@@ -444,8 +371,6 @@ def test_sim_root_only_and_limits(sim):
     for bad in (-1, 65, True):
         with pytest.raises(ValueError, match="list_max"):
             sim.build_tree(torch.randn(2, 5), 4, config=sim.Config(8, 64, 8, 8, list_max=bad))
-        with pytest.raises(ValueError, match="fused_max"):
-            sim.build_tree(torch.randn(2, 5), 4, config=sim.Config(8, 64, 8, 8, fused_max=bad))
 
 
 # ---- real GPU -----------------------------------------------------------------------------------------------
@@ -478,12 +403,15 @@ def test_gpu_full_shapes_match_reference(gpu, depth, budget, kind):
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(KINDS + ("equal",)), depth=st.integers(1, 15), vocab=st.integers(1, 5000),
        budget=st.integers(1, 1024), seed=st.integers(0, 2 ** 31 - 1),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
-@example(kind="equal", depth=15, vocab=FULL_V, budget=1024, seed=0, dtype=torch.float32)
-@example(kind="peaked", depth=15, vocab=3, budget=1024, seed=0, dtype=torch.float32)
-def test_gpu_build_matches_reference(gpu, kind, depth, vocab, budget, seed, dtype):
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), list_max=st.sampled_from([0, None]))
+@example(kind="equal", depth=15, vocab=FULL_V, budget=1024, seed=0, dtype=torch.float32, list_max=None)
+@example(kind="peaked", depth=15, vocab=3, budget=1024, seed=0, dtype=torch.float32, list_max=None)
+@example(kind="equal", depth=15, vocab=FULL_V, budget=32, seed=0, dtype=torch.float32, list_max=0)
+def test_gpu_build_matches_reference(gpu, kind, depth, vocab, budget, seed, dtype, list_max):
+    """The default config (the warp-list beam up to budget 32, tree_beam above) and tree_beam alone (list_max=0)."""
+    cfg = gpu.DEFAULT_CONFIG if list_max is None else dataclasses.replace(gpu.DEFAULT_CONFIG, list_max=list_max)
     x = logits(kind, depth, vocab, seed, device="cuda").to(dtype)
-    got = gpu.build_tree(x, budget, check_values=True)
+    got = gpu.build_tree(x, budget, check_values=True, config=cfg)
     assert_same_tree(got, ref.build_tree(x, budget), f"{kind} L={depth} V={vocab} B={budget} {dtype}")
 
 
@@ -511,21 +439,6 @@ def test_gpu_list_beam_matches_reference(gpu, kind, depth, vocab, budget, seed):
     x = logits(kind, depth, vocab, seed, device="cuda")
     got = gpu.build_tree(x, budget, config=cfg, check_values=True)
     assert_same_tree(got, ref.build_tree(x, budget), f"list beam {kind} L={depth} V={vocab} B={budget}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("depth, vocab", [(7, FULL_V), (15, FULL_V), (15, 5000), (3, 4097)])
-@pytest.mark.parametrize("budget", [1, 16, 32])
-@pytest.mark.parametrize("kind", KINDS + ("draftlike", "cut"))
-def test_gpu_fused_topk_matches_reference(gpu, depth, vocab, budget, kind):
-    """The one-launch top-K (Config.fused_max) with the list beam: the reference candidates and tree."""
-    cfg = dataclasses.replace(gpu.DEFAULT_CONFIG, fused_max=gpu.CAP // 2, list_max=gpu.LIST_BMAX)
-    x = logits(kind, depth, vocab, depth * 1000 + budget, device="cuda")
-    got = gpu.build_tree(x, budget, config=cfg, check_values=True)
-    assert gpu._workspace(x.device, depth, vocab, min(budget, vocab), budget, cfg).fused
-    what = f"fused {kind} L={depth} V={vocab} B={budget}"
-    assert_same_topk(gpu, x, budget, what)
-    assert_same_tree(got, ref.build_tree(x, budget), what)
 
 
 @pytest.mark.gpu

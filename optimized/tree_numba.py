@@ -31,8 +31,7 @@ from numba import cuda
 from .kernels.tree_beam import BMAX, beam_for
 from .kernels.tree_list import LIST_BMAX, MAX_DEPTH, list_for
 from .kernels.tree_device import SIM, WARP
-from .kernels.tree_topk import (CAP, DIRECT, EPT, FEPT, NB, PMAX, SORT_NA, TOPK_T, topk_filter, topk_fused,
-                                topk_stats)
+from .kernels.tree_topk import CAP, DIRECT, EPT, NB, PMAX, SORT_NA, TOPK_T, topk_filter, topk_stats
 from .kernels.tree_verify import commit_kv, compile_rows, follow, gather_rows
 from reference.tree import CompiledTree, Tree, check_build_args, node_count
 
@@ -46,13 +45,17 @@ class Config:
     beam_threads: int      # largest beam block (the beam runs min(this, budget rounded up to a power of two))
     follow_threads: int
     list_max: int = 0      # budgets up to this take the warp-list beam (tree_list.py) instead of tree_beam's;
-                           #   0: never (the default until the GPU bench has compared the two)
-    fused_max: int = 0     # K up to this takes the one-launch top-K (topk_fused) where its candidates fit
-                           #   (2 K chunks <= CAP); 0: never (the default until the GPU bench has compared them)
+                           #   0: never. DEFAULT_CONFIG: 32 (see LIST_DEFAULT)
 
 
 WAVE_BLOCKS = 4      # top-K blocks resident per SM (256 threads x 64 registers): the grid is at most one wave
-DEFAULT_CONFIG = Config(16, 8, 16, 16) if SIM else Config(256, 2048, 1024, 256)
+# The warp-list beam costs ~0.45 us a node whatever the depth; tree_beam ~5 us a depth (H100, tree_run11): the list
+# wins on deep (draft-like) trees up to budget 64 and loses on shallow ones and from W = 2 rows (budget > 64). In
+# the engine on the trained pair's real drafts its tree stage is faster at budgets 16 / 32 (0.044 / 0.054 ms
+# against 0.049 / 0.058) and slower at 64 (0.071 against 0.067), hence 32.
+LIST_DEFAULT = 32
+DEFAULT_CONFIG = (Config(16, 8, 16, 16, list_max=LIST_DEFAULT) if SIM
+                  else Config(256, 2048, 1024, 256, list_max=LIST_DEFAULT))
 
 
 @dataclass(frozen=True)
@@ -120,9 +123,6 @@ def _check_config(cfg: Config) -> Config:
     if isinstance(cfg.list_max, bool) or not isinstance(cfg.list_max, int) or not 0 <= cfg.list_max <= LIST_BMAX:
         raise ValueError(f"list_max must be an int in 0..{LIST_BMAX} (the warp-list beam's largest budget), "
                          f"got {cfg.list_max!r}")
-    if isinstance(cfg.fused_max, bool) or not isinstance(cfg.fused_max, int) or not 0 <= cfg.fused_max <= CAP // 2:
-        raise ValueError(f"fused_max must be an int in 0..{CAP // 2} (the one-launch top-K's largest K), "
-                         f"got {cfg.fused_max!r}")
     if cfg.topk_threads * SORT_NA < max(DIRECT, BMAX):
         raise ValueError(f"topk_threads {cfg.topk_threads} < {max(DIRECT, BMAX) // SORT_NA}: the top-K's final sort "
                          f"holds {max(DIRECT, BMAX)} keys in {SORT_NA} registers per thread")
@@ -141,13 +141,9 @@ class _Workspace:
             chunk = max(chunk, -(-vocab // max(1, wave // depth)))
         self.chunk = -(-chunk // step) * step
         self.parts = -(-vocab // self.chunk)
-        self.fused_parts = -(-vocab // (cfg.topk_threads * FEPT))     # topk_fused's chunks: T * FEPT ids each
-        self.fused = k <= cfg.fused_max and 2 * k * self.fused_parts <= CAP
         z = dict(device=device)
-        parts = self.fused_parts if self.fused else self.parts
-        self.part_m = torch.empty(depth, parts, dtype=torch.float64, **z)
-        self.part_s = torch.empty(depth, parts, dtype=torch.float64, **z)
-        self.part_b = torch.empty(depth, parts, dtype=torch.int64, **z)     # topk_fused's excluded keys
+        self.part_m = torch.empty(depth, self.parts, dtype=torch.float64, **z)
+        self.part_s = torch.empty(depth, self.parts, dtype=torch.float64, **z)
         self.lse = torch.empty(depth, dtype=torch.float64, **z)
         self.hist = torch.zeros(depth, NB, dtype=torch.int32, **z)
         self.done = torch.zeros(depth, dtype=torch.int32, **z)
@@ -157,7 +153,7 @@ class _Workspace:
         self.top_lp = torch.empty(depth, k, dtype=torch.float32, **z)
         self.top_id = torch.empty(depth, k, dtype=torch.int64, **z)
         self.count = torch.zeros(1, dtype=torch.int64, **z)
-        names = ("part_m", "part_s", "part_b", "lse", "hist", "done", "sel", "counters", "cand", "top_lp", "top_id", "count")
+        names = ("part_m", "part_s", "lse", "hist", "done", "sel", "counters", "cand", "top_lp", "top_id", "count")
         self.a = {name: _arr(getattr(self, name)) for name in names}
 
 
@@ -174,14 +170,8 @@ def _workspace(device, depth, vocab, k, budget, cfg) -> _Workspace:
 
 
 def _topk_stage(x, vocab: int, k: int, ws: _Workspace, cfg: Config, s) -> None:
-    """ws.top_lp / ws.top_id [L, K] = the per-depth candidates by rank: one launch (topk_fused, where ws.fused)
-    or two (topk_stats, topk_filter)."""
+    """Two launches: ws.top_lp / ws.top_id [L, K] = the per-depth candidates by rank."""
     a = ws.a
-    if ws.fused:
-        topk_fused[(ws.fused_parts, a["lse"].shape[0]), cfg.topk_threads, s](
-            x, vocab, k, a["part_m"], a["part_s"], a["part_b"], a["lse"], a["counters"], a["cand"], a["top_lp"],
-            a["top_id"])
-        return
     grid, tpb = (ws.parts, a["lse"].shape[0]), cfg.topk_threads
     topk_stats[grid, tpb, s](x, vocab, ws.chunk, k, a["part_m"], a["part_s"], a["lse"], a["hist"], a["done"],
                              a["sel"])

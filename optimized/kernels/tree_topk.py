@@ -27,7 +27,6 @@ exps (~3 us of FP64 issue over the GPU), a few thousand candidates; two launches
 from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shim)
 
 import math
-import os
 
 import numpy as np
 from numba import cuda
@@ -238,49 +237,6 @@ def radix_select(keys, n, k, row_x, row, ls, whole, bins, tmp, buf, shr):
     return prefix ^ np.int64(NEG)
 
 
-@cuda.jit(**DEVICE)
-def select_top(keys, n, k, whole, row_x, row, ls, bins, comp, tmp, buf, shr):
-    """Leaves the k largest composite keys, sorted (largest first), in keys[:k] on every thread: of the n distinct
-    keys keys[:n] (shared memory, at most CAP), or -- whole=True -- of the whole row row_x[row, :n]. Up to DIRECT
-    keys are sorted whole; more, the k-th is radix-selected, the k keys at or above it compacted and sorted."""
-    tid = cuda.threadIdx.x
-    T = cuda.blockDim.x if SIM else TOPK_T
-    if whole or n > DIRECT:
-        thr = radix_select(keys, n, k, row_x, row, ls, whole, bins, tmp, buf, shr)
-        # compact the k keys >= thr (distinct keys: exactly k) to the front, in any order, then sort them
-        if whole:
-            if tid == 0:
-                shr[0] = 0
-            cuda.syncthreads()
-            for i in range(tid, n, T):
-                key = composite(row_x[row, i], i, ls)
-                if key >= thr:
-                    keys[cuda.atomic.add(shr, 0, 1)] = key
-        else:
-            front = np.int64(0)
-            for c in range(0, n, T):             # in place: every read of a chunk precedes (scan barrier) its writes
-                i = c + tid
-                key = keys[i] if i < n else np.int64(NEG)
-                take = 1 if i < n and key >= thr else 0
-                ex, tot = block_scan(take, tmp, buf)
-                if take == 1:
-                    keys[front + ex] = key
-                front += tot
-        cuda.syncthreads()
-        n = np.int64(k)
-    sort_keys(keys, comp, n, NEG, buf)
-
-
-@cuda.jit(**DEVICE)
-def write_top(keys, k, row, top_lp, top_id):
-    """The sorted keys[:k] out as log-probs and token ids."""
-    T = cuda.blockDim.x if SIM else TOPK_T
-    for r in range(cuda.threadIdx.x, k, T):
-        key = keys[r]
-        top_id[row, r] = np.int64(LOW) - (key & np.int64(LOW))
-        top_lp[row, r] = key_value((key >> 32) + np.int64(0x80000000))
-
-
 @cuda.jit(**TOPK_JIT)
 def topk_filter(x, vocab, chunk, k, lse, sel, counters, cand, top_lp, top_id):
     p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
@@ -333,138 +289,34 @@ def topk_filter(x, vocab, chunk, k, lse, sel, counters, cand, top_lp, top_id):
         for i in range(tid, n, T):
             keys[i] = cand[row, i]
     cuda.syncthreads()
-    select_top(keys, n, k, whole, x, row, ls, bins, comp, tmp, buf, shr)
-    write_top(keys, k, row, top_lp, top_id)
-    if tid == 0:
-        counters[row, 0] = 0
-        counters[row, 1] = 0
-
-
-FEPT = 2 if SIM else int(os.environ.get("DDTREE_TOPK_FUSED_EPT", "16"))   # topk_fused: values per thread, held in
-                             #   registers (a fused chunk is T * FEPT ids); the variable is for tuning runs
-SHIFT1 = 8                   # topk_fused's second histogram level: key bits 8..19 inside the first level's bin
-NKEY = max(NB, CAP)          # topk_fused's int64 shared buffer: the histograms, then the last block's keys
-
-
-@cuda.jit(**TOPK_JIT)
-def topk_fused(x, vocab, k, part_m, part_s, part_b, lse, counters, cand, top_lp, top_id):
-    """The top-K in one launch, for small K (the host picks it when 2 K P <= CAP). Each block holds its chunk of
-    T * FEPT logits in registers: (max, sum exp) as topk_stats, then its own K-th largest logit to 24 key bits
-    (two 4096-bin levels in shared memory), then every token at or above that prefix goes to the row's candidate
-    list as sortable(x) << 32 | id, and the largest key below it to part_b (0: none). The last block computes lse,
-    turns the candidates into composite keys and selects the K largest. Exact when every chunk's best excluded
-    token has a grid log-prob below the K-th selected one (strictly: ids break ties); when one does not (ties
-    across the cut: collapsing, integer, equal logits) or the candidates overflow CAP, the whole row is selected."""
-    p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
-    T = cuda.blockDim.x if SIM else TOPK_T
-    nparts = cuda.gridDim.x
-    wm = cuda.shared.array(WARP, np.float64)
-    ws = cuda.shared.array(WARP, np.float64)
-    fbuf = cuda.shared.array(TBUF, np.float64)
-    sh = cuda.shared.array(NKEY, np.int64)         # histogram bins, then (last block) the composite keys
-    tab = cuda.shared.array(64, np.float64)
-    bins = cuda.shared.array(RB, np.int32)
-    comp = cuda.shared.array(1, np.int32)
-    tmp = cuda.shared.array(32, np.int64)
-    buf = cuda.shared.array(TBUF, np.int64)
-    shr = cuda.shared.array(2, np.int64)
-    best = cuda.shared.array(1, np.int64)          # 1 + the largest excluded key of the chunk (0: none)
-    flag = cuda.shared.array(1, np.int32)
-    vals = cuda.local.array(FEPT, np.float32)
-    for i in range(tid, NB, T):
-        sh[i] = 0
-    ctab = cuda.const.array_like(EXP_TAB)
-    for i in range(tid, 64, T):
-        tab[i] = ctab[i]
-    if tid == 0:
-        best[0] = 0
-        flag[0] = 0
-    cuda.syncthreads()
-    xr = x[row]
-    lo = p * T * FEPT
-    lim = min(vocab - lo, T * FEPT)                # > 0: the host launches ceil(vocab / (T * FEPT)) chunks
-    for j in range(FEPT):                          # constant trip count: unrolled, every load in flight at once
-        o = j * T + tid
-        vals[j] = xr[np.uint32(lo + o)] if o < lim else np.float32(-math.inf)
-    mt = np.float32(-math.inf)
-    for j in range(FEPT):
-        mt = max(mt, vals[j])
-        if j * T + tid < lim:
-            cuda.atomic.add(sh, np.uint32(sortable_key(vals[j]) >> SHIFT0), 1)
-    m = np.float64(mt)
-    s = 0.0
-    if m > -math.inf:
-        for j in range(FEPT):
-            s += exp_le0(np.float64(vals[j]) - m, tab)
-    bm, bs = block_max_sum(m, s, wm, ws, fbuf)     # its barriers also complete the histogram
-    cut = np.int64(0)                              # emit tokens with key >> SHIFT1 >= cut
-    if lim > k:
-        b1, r1 = find_bin(sh, NB, k, tmp, buf, shr)
-        for i in range(tid, NB, T):
-            sh[i] = 0
+    if whole or n > DIRECT:
+        thr = radix_select(keys, n, k, x, row, ls, whole, bins, tmp, buf, shr)
+        # compact the k keys >= thr (distinct keys: exactly k) to the front, in any order, then sort them
+        if whole:
+            if tid == 0:
+                shr[0] = 0
+            cuda.syncthreads()
+            for i in range(tid, n, T):
+                key = composite(x[row, i], i, ls)
+                if key >= thr:
+                    keys[cuda.atomic.add(shr, 0, 1)] = key
+        else:
+            front = np.int64(0)
+            for c in range(0, n, T):             # in place: every read of a chunk precedes (scan barrier) its writes
+                i = c + tid
+                key = keys[i] if i < n else np.int64(NEG)
+                take = 1 if i < n and key >= thr else 0
+                ex, tot = block_scan(take, tmp, buf)
+                if take == 1:
+                    keys[front + ex] = key
+                front += tot
         cuda.syncthreads()
-        for j in range(FEPT):
-            key = sortable_key(vals[j])
-            if j * T + tid < lim and (key >> SHIFT0) == b1:
-                cuda.atomic.add(sh, np.uint32((key >> SHIFT1) & (NB - 1)), 1)
-        cuda.syncthreads()
-        b2, _ = find_bin(sh, NB, r1, tmp, buf, shr)
-        cut = (b1 << (SHIFT0 - SHIFT1)) | b2
-    for j in range(FEPT):
-        if j * T + tid < lim:
-            key = sortable_key(vals[j])
-            if (key >> SHIFT1) >= cut:
-                slot = cuda.atomic.add(counters, (row, 0), 1)
-                if slot < CAP:
-                    cand[row, slot] = (key << 32) | (lo + j * T + tid)
-            else:
-                cuda.atomic.max(best, 0, key + 1)
-    cuda.syncthreads()
+        n = np.int64(k)
+    sort_keys(keys, comp, n, NEG, buf)
+    for r in range(tid, k, T):
+        key = keys[r]
+        top_id[row, r] = np.int64(LOW) - (key & np.int64(LOW))
+        top_lp[row, r] = key_value((key >> 32) + np.int64(0x80000000))
     if tid == 0:
-        part_m[row, p] = bm
-        part_s[row, p] = bs
-        part_b[row, p] = best[0]
-        cuda.threadfence()
-        flag[0] = 1 if cuda.atomic.add(counters, (row, 1), 1) == nparts - 1 else 0
-    cuda.syncthreads()
-    if flag[0] == 0:
-        return
-    # Last block of the row: lse as topk_stats does (the same bits whichever block came last), then the select
-    cuda.threadfence()
-    m = -math.inf
-    s = 0.0
-    for q in range(tid, nparts, T):
-        mq = part_m[row, q]
-        mn = max(m, mq)
-        if mn > -math.inf:
-            s = (s * math.exp(m - mn) if m > -math.inf else 0.0) + part_s[row, q] * math.exp(mq - mn)
-            m = mn
-    bm, bs = block_max_sum(m, s, wm, ws, fbuf)
-    ls = bm + math.log(bs)
-    n = np.int64(counters[row, 0])
-    whole = n > CAP
-    if whole:
-        n = np.int64(vocab)
-    else:
-        for i in range(tid, n, T):
-            c = cand[row, i]
-            sh[i] = composite(key_value((c >> 32) & np.int64(LOW)), c & np.int64(LOW), ls)
-    cuda.syncthreads()
-    select_top(sh, n, k, whole, x, row, ls, bins, comp, tmp, buf, shr)
-    if not whole:
-        if tid == 0:
-            flag[0] = 0
-        cuda.syncthreads()
-        lp_k = key_value((sh[k - 1] >> 32) + np.int64(0x80000000))
-        for q in range(tid, nparts, T):
-            b = part_b[row, q]
-            if b != 0 and not grid_log_prob(key_value(b - 1), ls) < lp_k:
-                flag[0] = 1                        # a token left out of chunk q may tie the K-th: select whole
-        cuda.syncthreads()
-        if flag[0] != 0:
-            select_top(sh, np.int64(vocab), k, True, x, row, ls, bins, comp, tmp, buf, shr)
-    write_top(sh, k, row, top_lp, top_id)
-    if tid == 0:
-        lse[row] = ls
         counters[row, 0] = 0
         counters[row, 1] = 0
