@@ -36,7 +36,6 @@ RANK_SHIFT = 4
 M10 = 0x3FF
 M4 = 0xF
 FAR = 1 << 30                     # the position of an absent new candidate
-PRELOAD = 8                       # lp loads in flight per lane while the kernel fills its shared lp table
 
 
 @cuda.jit(**DEVICE)
@@ -110,17 +109,9 @@ def _make_list(W):
         gq = cuda.local.array(W, np.int64)                       # F after the step
         ga = cuda.local.array(W, np.int32)
         depth = top_lp.shape[0]
-        held = cuda.local.array(PRELOAD, np.float32)            # lps from global memory, PRELOAD loads in flight
-        n_lp = depth * k                                         #   per lane at once (ncu: one load at a time
-        for base in range(0, n_lp, PRELOAD * WARP):              #   waited ~600 cycles per depth, ~20 % of the
-            for j in range(PRELOAD):                             #   kernel at L = 15, budget 32)
-                i = base + j * WARP + lane
-                if i < n_lp:
-                    held[j] = top_lp[i // k, i % k]
-            for j in range(PRELOAD):
-                i = base + j * WARP + lane
-                if i < n_lp:
-                    lps[(i // k) * KMAX + i % k] = held[j]
+        for d in range(depth):
+            for r in range(lane, k, WARP):
+                lps[d * KMAX + r] = top_lp[d, r]
         for w in range(W):
             fq[w] = PAD_Q
             fa[w] = 0
