@@ -18,6 +18,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "conformance"))
+sys.path.insert(0, os.path.dirname(__file__))                    # bench helpers (tree_plot)
 
 
 def provenance_info() -> dict:

@@ -18,7 +18,7 @@ Floor: reading the fp32 logits once is 9.8 MB / 4.24 TB/s = 2.3 us at L = 15 (1.
 latency bound (four dependent launches: two top-K passes, the single-block beam, compile), not bandwidth bound.
 
     pytest bench/test_bench_tree.py --benchmark-only --benchmark-json=out.json     (DDTREE_BENCH_OUT=dir also
-    writes tree_<date>.json and .md there)
+    writes tree_<date>.json, .md and .png there)
 """
 import dataclasses
 import datetime
@@ -65,6 +65,8 @@ def _write_summary(info: dict) -> None:
                      f"{r['reference_us']:.0f} | {r['ratio_device']:.0f}x | {r['goal_us']} |")
     with open(os.path.join(out, f"tree_{day}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+    from tree_plot import plot
+    plot(os.path.join(out, f"tree_{day}.json"))                 # tree_<day>.png beside the JSON
 
 
 @pytest.mark.parametrize("kind", ["normal", "draftlike"])

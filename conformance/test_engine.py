@@ -141,6 +141,8 @@ def test_engine_rejects_bad_input(pair):
     other_target, other_drafter = make_pair(1)
     with pytest.raises(ValueError, match="different target"):
         Engine(target, other_drafter, backend="torch")
+    with pytest.raises(ValueError, match="tree_config selects the cuda backend's tree kernels"):
+        Engine(target, drafter, backend="torch", tree_config=object())
 
 
 def test_node_count_matches_the_reference_tree():
@@ -238,6 +240,31 @@ def test_cuda_graphs_equal_eager_and_ddtree_equals_ar(gpu_pairs):
         ar = optimized.generate(bf, bf_d, p, max_new_tokens=n, mode="ar")
         ties += compare_tokens(graph.tokens, ar.tokens, margins_of(bf, p, ar.tokens), f"ddtree vs ar case {j}")
     print(f"optimized ddtree vs optimized ar: {ties} near-tie divergence(s)")
+
+
+@pytest.mark.gpu
+def test_cuda_tree_choices_give_the_same_tokens(gpu_pairs):
+    """Engine(tree_config=): tree_beam alone (list_max=0), the default (the warp-list beam up to budget 32) and the
+    list beam at every budget it takes build the same trees, so each golden prompt decodes to the same tokens and
+    acceptance lengths (no tie allowance: the rest of the round is the same code on the same inputs)."""
+    import dataclasses
+    from optimized import tree_numba
+    (bf, bf_d), _ = gpu_pairs
+    g = golden()
+    base = Engine(bf, bf_d, max_seq_len=512)
+    engines = [Engine(bf, bf_d, max_seq_len=512, moe_weights=base.moe_weights,
+                      tree_config=dataclasses.replace(tree_numba.DEFAULT_CONFIG, list_max=m))
+               for m in (0, tree_numba.LIST_BMAX)]
+    assert base.ops.tree_config.list_max == tree_numba.LIST_DEFAULT > 0
+    assert [e.ops.tree_config.list_max for e in engines] == [0, tree_numba.LIST_BMAX]
+    for budget in (16, 64):
+        for case in g["cases"][:4]:
+            want = base.generate(case["prompt_ids"], max_new_tokens=g["max_new_tokens"], mode="ddtree", budget=budget)
+            assert base.backend == "cuda"
+            for e in engines:
+                got = e.generate(case["prompt_ids"], max_new_tokens=g["max_new_tokens"], mode="ddtree", budget=budget)
+                assert (got.tokens, got.acceptance_lengths) == (want.tokens, want.acceptance_lengths), \
+                    f"list_max={e.ops.tree_config.list_max} budget {budget}"
 
 
 @pytest.mark.gpu
