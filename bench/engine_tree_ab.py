@@ -1,7 +1,7 @@
 """The engine on the trained pair with each tree-kernel choice (issue 5 -> issue 8): tree_beam alone
 (Config.list_max = 0), the default (the warp-list beam up to budget LIST_DEFAULT) and the warp-list beam up to its
-largest budget, one Engine each in the same process, same prompts. Every choice must give the same tokens (the trees are equal by conformance);
-the A/B is tokens/s and the tree stage's device ms per round.
+largest budget, one Engine each in the same process, same prompts. Every choice must give the same tokens (the
+trees are equal by conformance); the A/B is tokens/s and the tree stage's device ms per round.
 
     python bench/engine_tree_ab.py [--out DIR]      (writes DIR/engine_tree_ab.{json,md}; prints the table)
 
@@ -16,7 +16,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, "..")]
@@ -27,10 +26,9 @@ import optimized  # noqa: E402
 from optimized import tree_numba  # noqa: E402
 from optimized.engine import Engine, RoundTiming  # noqa: E402
 from conftest import provenance_info  # noqa: E402
+from test_bench_engine import HERE as PAIR, NEW, prompts, run_all  # noqa: E402
 
-PAIR = os.path.join(HERE, "..", "fixtures", "trained")
 MODES = [("chain", None)] + [("ddtree", b) for b in (16, 32, 64, 128)]
-NEW = 128
 
 
 def choices() -> dict:
@@ -40,12 +38,8 @@ def choices() -> dict:
             "list": dataclasses.replace(base, list_max=tree_numba.LIST_BMAX)}
 
 
-def timed_pass(engine, prompts, mode, budget):
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    outs = [engine.generate(p, max_new_tokens=NEW, mode=mode, budget=budget) for p in prompts]
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0, outs
+def timed_pass(engine, ps, mode, budget):
+    return run_all(lambda p: engine.generate(p, max_new_tokens=NEW, mode=mode, budget=budget), ps)
 
 
 def main() -> None:
@@ -55,7 +49,7 @@ def main() -> None:
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     target = optimized.load_target(os.path.join(PAIR, "target"))
     drafter = optimized.load_drafter(os.path.join(PAIR, "drafter"), target=target)
-    prompts = [c["prompt_ids"] for c in json.load(open(os.path.join(PAIR, "golden.json")))["cases"]]
+    ps = prompts()
     rows, tokens_of, moe = [], {}, None
     for name, cfg in choices().items():
         eng = Engine(target, drafter, tree_config=cfg, moe_weights=moe)
@@ -63,18 +57,18 @@ def main() -> None:
         moe = eng.moe_weights
         assert eng.backend == "cuda"
         for mode, budget in MODES:
-            timed_pass(eng, prompts, mode, budget)                          # graphs, kernel builds
+            timed_pass(eng, ps, mode, budget)                          # graphs, kernel builds
             secs, outs = [], None
             for _ in range(3):
-                s, outs = timed_pass(eng, prompts, mode, budget)
+                s, outs = timed_pass(eng, ps, mode, budget)
                 secs.append(s)
             toks = [o.tokens for o in outs]
             ref = tokens_of.setdefault((mode, budget), toks)
             same = toks == ref
             lengths = [x for o in outs for x in o.acceptance_lengths]
             timing = RoundTiming()
-            staged.generate(prompts[0], max_new_tokens=NEW, mode=mode, budget=budget, timing=RoundTiming())
-            staged.generate(prompts[0], max_new_tokens=NEW, mode=mode, budget=budget, timing=timing)
+            staged.generate(ps[0], max_new_tokens=NEW, mode=mode, budget=budget, timing=RoundTiming())
+            staged.generate(ps[0], max_new_tokens=NEW, mode=mode, budget=budget, timing=timing)
             n = sum(len(t) for t in toks)
             row = dict(tree=name, mode=mode, budget=budget, tokens=n, seconds=statistics.median(secs),
                        tokens_per_s=n / statistics.median(secs), tau=sum(lengths) / len(lengths),

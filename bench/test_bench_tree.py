@@ -34,12 +34,9 @@ VOCAB = 163_840
 ROWS: list = []
 
 
-def opt_list_default() -> int:
-    from optimized import tree_numba
-    return tree_numba.LIST_DEFAULT
-
-
 def _write_summary(info: dict) -> None:
+    from optimized.tree_numba import LIST_DEFAULT
+    from tree_plot import plot
     out = os.environ.get("DDTREE_BENCH_OUT")
     if not out:
         return
@@ -49,7 +46,7 @@ def _write_summary(info: dict) -> None:
         json.dump({"provenance": info, "results": ROWS}, f, indent=1)
     lines = [f"# Tree path on {info.get('gpu', '?')} ({day}, commit {info.get('commit', '?')})", "",
              "V = 163,840; draft logits on the device -> compiled tree on the device. Microseconds (median).",
-             f"`device`: the default path (the warp-list beam up to budget {opt_list_default()}, tree_beam above); `beam`: "
+             f"`device`: the default path (the warp-list beam up to budget {LIST_DEFAULT}, tree_beam above); `beam`: "
              "tree_beam alone; `beam (list)` and `device (list)`: the warp-list beam alone and the whole path with it "
              "(budgets <= 256).",
              "", "| logits | L | budget | tree depth | device | top-K | beam | compile | beam (list) | device (list) | eager "
@@ -65,7 +62,6 @@ def _write_summary(info: dict) -> None:
                      f"{r['reference_us']:.0f} | {r['ratio_device']:.0f}x | {r['goal_us']} |")
     with open(os.path.join(out, f"tree_{day}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    from tree_plot import plot
     plot(os.path.join(out, f"tree_{day}.json"))                 # tree_<day>.png beside the JSON
 
 

@@ -257,10 +257,10 @@ def test_cuda_tree_choices_give_the_same_tokens(gpu_pairs):
                for m in (0, tree_numba.LIST_BMAX)]
     assert base.ops.tree_config.list_max == tree_numba.LIST_DEFAULT > 0
     assert [e.ops.tree_config.list_max for e in engines] == [0, tree_numba.LIST_BMAX]
+    assert base.backend == "cuda"
     for budget in (16, 64):
         for case in g["cases"][:4]:
             want = base.generate(case["prompt_ids"], max_new_tokens=g["max_new_tokens"], mode="ddtree", budget=budget)
-            assert base.backend == "cuda"
             for e in engines:
                 got = e.generate(case["prompt_ids"], max_new_tokens=g["max_new_tokens"], mode="ddtree", budget=budget)
                 assert (got.tokens, got.acceptance_lengths) == (want.tokens, want.acceptance_lengths), \

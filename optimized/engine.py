@@ -267,7 +267,7 @@ class Engine:
     request. max_requests: requests decoded together in one round (generate_batch); every round then runs one
     drafter forward, one verify forward and one MoE pass per layer over all requests' rows together.
     tree_config: the cuda backend's tree launch geometry and kernel choice (an optimized.tree_numba.Config;
-    default tree_numba.DEFAULT_CONFIG), e.g. to A/B the list beam or the one-launch top-K inside the engine.
+    default tree_numba.DEFAULT_CONFIG), e.g. to A/B the warp-list beam against tree_beam inside the engine.
     """
 
     def __init__(self, target: Target, drafter: Optional[Drafter] = None, *, backend: str = "cuda",
