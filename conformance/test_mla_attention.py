@@ -126,11 +126,15 @@ def _tensor_core_kernels(arch: str) -> list[str]:
     return [k for k, c in mla.CONFIGS.items() if c.runs_on(mla.WGMMA_ARCH if arch == "sm_90a" else 0)]
 
 
+def _generic_kernels() -> list[str]:
+    return [f"mla_generic_c{c}" for c in mla.GENERIC_CAPS]
+
+
 def _check_ptxas_report(arch: str, log: str) -> dict:
     """The ptxas -v report of a build for `arch`: every kernel there (the wgmma kernel in sm_90a builds only),
     no wgmma serialization (ptxas C7514, e.g. after a wait_group that ptxas cannot follow). Returns the spill
     stores in bytes per entry function."""
-    for name in _tensor_core_kernels(arch) + ["mla_combine", "mla_combine_rows", "mla_generic"]:
+    for name in _tensor_core_kernels(arch) + ["mla_combine", "mla_combine_rows"] + _generic_kernels():
         assert f"Compiling entry function '{name}'" in log, log
     assert ("mla_wgmma_m64_n64" in log) == (arch == "sm_90a")
     assert "C7514" not in log and "serialized" not in log, f"ptxas serialized the wgmma pipeline: {log}"
@@ -182,7 +186,7 @@ def test_nvrtc_builds(arch):
     spills = _check_ptxas_report(arch, _nvrtc_build(arch))
     names = _tensor_core_kernels(arch)
     assert set(spills) >= set(names) and all(spills[n] == 0 for n in names), spills
-    assert spills["mla_generic"] <= 64, spills    # the fp32 SIMT path (8 B on sm_120 with NVRTC 13.0)
+    assert all(spills[k] <= 64 for k in _generic_kernels()), spills   # the fp32 SIMT path (8 B at C <= 1024)
 
 
 # ---- GPU: the tolerance policy ---------------------------------------------------------------------------
@@ -239,10 +243,16 @@ def test_small_smem_config(t, h, prefix):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t, h, c, r, prefix", [(1, 4, 16, 8, 0), (7, 4, 16, 8, 5), (40, 4, 16, 8, 100),
-                                                (33, 2, 256, 32, 70), (3, 3, 1000, 200, 17)])
+                                                (33, 2, 256, 32, 70), (3, 3, 1000, 200, 17),
+                                                (1, 4, 64, 16, 700), (129, 4, 64, 16, 300),   # the trained pair
+                                                (5, 3, 20, 6, 40), (2, 1, 1, 1, 3),          # L % 8 != 0
+                                                (3, 2, 300, 12, 2000)])                      # 8+ chunks a warp
 def test_generic_small_dims(t, h, c, r, prefix):
+    """The generic kernel (a block per query row, a lane per key): each C bracket (64 / 256 / 1024 columns), the
+    16-B and the scalar key loads, rows seeing only tree keys (P = 0), warps with several key chunks."""
     case = mc.make_case(t, h, prefix, c=c, r=r, seed=t + c)
-    assert mla.plan_for(case.q_lat, case.q_pe, case.latent).backend == "simt"
+    pl = mla.plan_for(case.q_lat, case.q_pe, case.latent)
+    assert pl.backend == "simt" and pl.kernel == f"mla_generic_c{next(k for k in mla.GENERIC_CAPS if c <= k)}"
     out = tree_attention(case.q_lat, case.q_pe, case.latent, case.tree_mask, case.scale)
     mc.check_policy(out, mc.reference_f64(case), mc.reference_bf16(case), f"generic C={c} R={r}")
 

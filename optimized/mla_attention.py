@@ -12,7 +12,7 @@ Backends (`plan(...).backend`, asserted by the conformance tests; chosen by shap
 fallback):
   "wgmma" Hopper tensor-core kernel (sm_90a, compute capability 9.0), C = 512 and R = 64, split-KV + merge
   "mma"   mma.sync tensor-core kernel (sm_80+: sm_120 parts, or any part via `config=`), the same shapes
-  "simt"  generic fp32 kernel for any other C <= 1024, R <= 256 (the tiny fixtures); one warp per query row
+  "simt"  generic fp32 kernel for any other C <= 1024, R <= 256 (the tiny fixtures); a block per query row
 
 Tensors are passed zero-copy as raw device pointers (bf16 has no CuPy dtype, and reading
 `__cuda_array_interface__` may synchronize on the producer's stream, which is illegal inside CUDA-graph
@@ -34,6 +34,8 @@ __all__ = ["tree_attention", "absorbed_attention", "pack_visibility", "unpack_vi
 MAX_T = 1025                    # budget 1024 + root: the largest verify block the engine sends
 MMA_C, MMA_R = 512, 64          # the dims the tensor-core kernel is built for
 GENERIC_MAX_C, GENERIC_MAX_R = 1024, 256
+GENERIC_CAPS = (64, 256, 1024)  # mla_generic_c<cap>: the generic kernel built for C <= cap
+GENERIC_WARPS = 8               # its block (GEN_WARPS in the .cu)
 MAX_SPLITS = 256
 WGMMA_ARCH = 90                 # sm_90a code (the wgmma kernel) runs on compute capability 9.0 only
 _LOG2E = 1.4426950408889634
@@ -123,7 +125,8 @@ def plan(t: int, h: int, c: int, r: int, s: int, sm_count: int, smem_optin: int,
         if config is not None or num_splits not in (None, 1):
             raise ValueError(f"config/num_splits apply to the tensor-core kernel (C={MMA_C}, R={MMA_R}); got "
                              f"C={c}, R={r}, which runs the generic kernel")
-        return Plan("simt", "mla_generic", ((m + 3) // 4, 1, 1), (128, 1, 1), 0)
+        name = next(f"mla_generic_c{cap}" for cap in GENERIC_CAPS if c <= cap)
+        return Plan("simt", name, (m, 1, 1), (GENERIC_WARPS * 32, 1, 1), 4 * (c + r + GENERIC_WARPS * (c + 2)))
     if config is None:
         fitting = [k for k in CONFIGS.values() if k.smem_bytes <= smem_optin and k.runs_on(cc)]
         if not fitting:
@@ -283,7 +286,7 @@ def _device_module(index: int, defines: tuple = ()):
                 if cfg.smem_bytes <= smem_optin:
                     fn.max_dynamic_shared_size_bytes = cfg.smem_bytes
                 kernels[cfg.name] = fn
-            for name in ("mla_combine", "mla_combine_rows", "mla_generic"):
+            for name in ("mla_combine", "mla_combine_rows") + tuple(f"mla_generic_c{c}" for c in GENERIC_CAPS):
                 kernels[name] = module.get_function(name)
             built = kernels["mla_combine"].binary_version
             if built != cc:
@@ -371,7 +374,7 @@ def tree_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
         if pl.backend == "simt":
             kernels[pl.kernel](pl.grid, pl.block, (ptr(q_lat), ptr(q_pe), ptr(latent), ptr(tree_mask), ptr(out),
                                                    i32(t), i32(h), i32(c), i32(r), i32(p), i32(s), i32(w),
-                                                   scale_log2, dyn))
+                                                   scale_log2, dyn), shared_mem=pl.smem)
             return out
         m = t * h
         if pl.splits == 1:

@@ -14,7 +14,7 @@
 //   mla_wgmma_pair  wgmma (sm_90a, H100/H200), key tiles in pairs across the two warpgroups: the default on 9.0.
 //   mla_wgmma_m64_n64  wgmma, one key tile at a time (kept as a config, for A/B).
 //   mla_combine     log-sum-exp merge of the split-KV partials.
-//   mla_generic     one warp per query row, fp32 SIMT, any C <= 1024, R <= 256 (tiny fixtures).
+//   mla_generic_c*  fp32 SIMT, any C <= 1024, R <= 256 (tiny fixtures): a block per query row, a lane per key.
 //
 // mla_mma launch geometry (config w8_m64_n64_s2, the H100/H200 one; w4_m32_n32_s1 fits 99 KB parts):
 //   grid (ceil(M/BM), splits), block NW*32 threads, 1 block/SM. blockIdx.x (row tile) varies fastest so
@@ -1297,13 +1297,50 @@ extern "C" __global__ void __launch_bounds__(128) mla_combine_rows(const float* 
     *reinterpret_cast<uint2*>(out + (long long)m * C + c) = packed;
 }
 
-// ---- generic SIMT path (any small C, R) ---------------------------------------------------------------
-// grid ceil(M/4), block 128: one warp per query row; lane owns channels lane + 32*i. fp32 throughout
-// (P is not rounded to bf16). Correctness path for the tiny fixtures, not a fast path.
-#define GEN_SLOTS_C 32   // C <= 1024
-#define GEN_SLOTS_R 8    // R <= 256
+// ---- generic SIMT path (any small C, R: the tiny fixtures) ----------------------------------------------
+// grid (M), block GEN_WARPS warps, dynamic smem (L + GEN_WARPS * (C + 2)) fp32: one block per query row m. The
+// keys are cut into chunks of 32 and warp w takes chunks w, w + GEN_WARPS, ...: lane j scores key 32 c + j
+// against the row's query (fp32 in smem; 16-B loads of the key row when L % 8 == 0), the warp takes one
+// online-softmax step per chunk, then adds P V with lane j owning output columns j + 32 i (i < CS). The warps'
+// (max, sum, O) are merged in smem. fp32 throughout (P is not rounded to bf16). A chunk of 32 keys costs one
+// dependent chain (loads, two warp reductions, one exp per lane) where the one-warp-per-row kernel this replaces
+// paid one per key: on the trained pair its 6 verify layers took 127-195 us a round
+// (bench/results/engine_run11/profile_trained_norm_cap.txt).
+#define GEN_WARPS 8
 
-extern "C" __global__ void __launch_bounds__(128) mla_generic(
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+    return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+    return x;
+}
+
+// q . row over L channels (q fp32 in smem, row bf16 in global memory).
+__device__ __forceinline__ float gen_dot(const float* __restrict__ sq, const bf16_t* __restrict__ row, int L) {
+    float dot = 0.f;
+    if ((L & 7) == 0) {   // 16-B loads: latent starts 16-B aligned and a row is L * 2 bytes, a multiple of 16
+        for (int c = 0; c < L; c += 8) {
+            const uint4 v = __ldg(reinterpret_cast<const uint4*>(row + c));
+            const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                dot += sq[c + 2 * k] * __uint_as_float(w[k] << 16);
+                dot += sq[c + 2 * k + 1] * __uint_as_float(w[k] & 0xffff0000u);
+            }
+        }
+    } else {
+        for (int c = 0; c < L; ++c) dot += sq[c] * bf16_to_float(__ldg(row + c));
+    }
+    return dot;
+}
+
+template <int CS>   // output columns per lane: C <= 32 * CS
+__device__ __forceinline__ void mla_generic_body(
     const bf16_t* __restrict__ q_lat, const bf16_t* __restrict__ q_pe, const bf16_t* __restrict__ latent,
     const unsigned* __restrict__ tree_mask, bf16_t* __restrict__ out, int T, int H, int C, int R, int P, int S,
     int words, float scale_log2, const int* __restrict__ seq_len) {
@@ -1311,53 +1348,80 @@ extern "C" __global__ void __launch_bounds__(128) mla_generic(
         S = __ldg(seq_len);
         P = S - T;
     }
-    const int lane = threadIdx.x & 31;
-    const int m = blockIdx.x * 4 + (threadIdx.x >> 5);
-    if (m >= T * H) return;
-    const int t = m / H, L = C + R;
-    float q[GEN_SLOTS_C], qr[GEN_SLOTS_R], o[GEN_SLOTS_C];
+    extern __shared__ float gsm[];
+    const int L = C + R, m = blockIdx.x, t = m / H;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    float* sq = gsm;                      // [L] the query row: q_lat then q_pe
+    float* so = sq + L;                   // [GEN_WARPS][C] each warp's unnormalized output
+    float* sm = so + GEN_WARPS * C;       // [GEN_WARPS] running maxima, then [GEN_WARPS] sums
+    for (int c = tid; c < L; c += GEN_WARPS * 32)
+        sq[c] = bf16_to_float(c < C ? q_lat[(long long)m * C + c] : q_pe[(long long)m * R + c - C]);
+    __syncthreads();
+
+    float m_run = neg_inf(), l_run = 0.f, o[CS];
 #pragma unroll
-    for (int i = 0; i < GEN_SLOTS_C; ++i) {
-        const int c = lane + 32 * i;
-        q[i] = c < C ? bf16_to_float(q_lat[(long long)m * C + c]) : 0.f;
-        o[i] = 0.f;
-    }
-#pragma unroll
-    for (int i = 0; i < GEN_SLOTS_R; ++i) {
-        const int c = lane + 32 * i;
-        qr[i] = c < R ? bf16_to_float(q_pe[(long long)m * R + c]) : 0.f;
-    }
-    float m_run = neg_inf(), l_run = 0.f;
-    for (int s = 0; s < S; ++s) {
-        if (!key_visible(tree_mask, words, t, s, P, S)) continue;   // warp-uniform
-        const bf16_t* row = latent + (long long)s * L;
-        float kv[GEN_SLOTS_C];
-        float dot = 0.f;
-#pragma unroll
-        for (int i = 0; i < GEN_SLOTS_C; ++i) {
-            const int c = lane + 32 * i;
-            kv[i] = c < C ? bf16_to_float(row[c]) : 0.f;
-            dot += q[i] * kv[i];
-        }
-#pragma unroll
-        for (int i = 0; i < GEN_SLOTS_R; ++i) {
-            const int c = lane + 32 * i;
-            if (c < R) dot += qr[i] * bf16_to_float(row[C + c]);
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-        const float x = dot * scale_log2;
-        const float mn = fmaxf(m_run, x);
-        const float alpha = exp2f(m_run - mn), p = exp2f(x - mn);
-        l_run = l_run * alpha + p;
-#pragma unroll
-        for (int i = 0; i < GEN_SLOTS_C; ++i) o[i] = o[i] * alpha + p * kv[i];
+    for (int i = 0; i < CS; ++i) o[i] = 0.f;
+    for (int k0 = warp * 32; k0 < S; k0 += GEN_WARPS * 32) {
+        const int s = k0 + lane;
+        const bool vis = key_visible(tree_mask, words, t, s, P, S);
+        const float x = vis ? gen_dot(sq, latent + (long long)min(s, S - 1) * L, L) * scale_log2 : neg_inf();
+        const float cmax = warp_max(x);
+        if (cmax == neg_inf()) continue;                  // warp-uniform: no visible key in the chunk
+        const float mn = fmaxf(m_run, cmax);
+        const float alpha = exp2f(m_run - mn);            // 0 while m_run is -inf
+        const float p = vis ? exp2f(x - mn) : 0.f;
+        l_run = l_run * alpha + warp_sum(p);
         m_run = mn;
-    }
-    const float inv = l_run > 0.f ? 1.f / l_run : 0.f;
 #pragma unroll
-    for (int i = 0; i < GEN_SLOTS_C; ++i) {
+        for (int i = 0; i < CS; ++i) o[i] *= alpha;
+        const int n = min(32, S - k0);
+#pragma unroll 4
+        for (int j = 0; j < n; ++j) {
+            const float pj = __shfl_sync(0xffffffffu, p, j);
+            if (pj == 0.f) continue;                      // warp-uniform
+            const bf16_t* row = latent + (long long)(k0 + j) * L;
+#pragma unroll
+            for (int i = 0; i < CS; ++i) {
+                const int c = lane + 32 * i;
+                if (c < C) o[i] += pj * bf16_to_float(__ldg(row + c));
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < CS; ++i) {
         const int c = lane + 32 * i;
-        if (c < C) out[(long long)m * C + c] = (bf16_t)(pack_bf16x2(o[i] * inv, 0.f) & 0xffffu);
+        if (c < C) so[warp * C + c] = o[i];
+    }
+    if (lane == 0) {
+        sm[warp] = m_run;
+        sm[GEN_WARPS + warp] = l_run;
+    }
+    __syncthreads();
+    float mx = neg_inf();
+#pragma unroll
+    for (int w = 0; w < GEN_WARPS; ++w) mx = fmaxf(mx, sm[w]);
+    float wt[GEN_WARPS], l = 0.f;
+#pragma unroll
+    for (int w = 0; w < GEN_WARPS; ++w) {
+        wt[w] = mx == neg_inf() ? 0.f : exp2f(sm[w] - mx);
+        l += sm[GEN_WARPS + w] * wt[w];
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;            // a row that sees no key gets zeros
+    for (int c = tid; c < C; c += GEN_WARPS * 32) {
+        float acc = 0.f;
+#pragma unroll
+        for (int w = 0; w < GEN_WARPS; ++w) acc += so[w * C + c] * wt[w];
+        out[(long long)m * C + c] = (bf16_t)(pack_bf16x2(acc * inv, 0.f) & 0xffffu);
     }
 }
+
+#define MLA_GENERIC(NAME, CS)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(GEN_WARPS * 32) NAME(                                          \
+        const bf16_t* __restrict__ q_lat, const bf16_t* __restrict__ q_pe, const bf16_t* __restrict__ latent,   \
+        const unsigned* __restrict__ tree_mask, bf16_t* __restrict__ out, int T, int H, int C, int R, int P,    \
+        int S, int words, float scale_log2, const int* __restrict__ seq_len) {                                  \
+        mla_generic_body<CS>(q_lat, q_pe, latent, tree_mask, out, T, H, C, R, P, S, words, scale_log2, seq_len); \
+    }
+MLA_GENERIC(mla_generic_c64, 2)
+MLA_GENERIC(mla_generic_c256, 8)
+MLA_GENERIC(mla_generic_c1024, 32)
