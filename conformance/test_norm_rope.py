@@ -93,6 +93,28 @@ def test_rms_norm_paths_agree(d):
 
 
 @gpu
+@pytest.mark.parametrize("rows, heads, other, d, offset", [(9, 4, 2, 64, 0), (17, 32, 8, 128, 0), (3, 2, 1, 36, 0),
+                                                           (5, 4, 4, 64, 8), (2, 3, 1, 64, 64)])
+def test_rms_norm_head_split(rows, heads, other, d, offset):
+    """A head split of a fused projection ([rows, heads, d] inside [rows, (offset/d + heads + other) * d]: one
+    stride between heads, another between rows; the drafter's q/k norms on its fused q/k/v output) normalizes
+    each head exactly as the same heads made contiguous, on both kernels (d = 36 takes the generic one)."""
+    m = norm_module(d, rows + heads)
+    w = m.weight.to(torch.bfloat16).cuda()
+    g = torch.Generator().manual_seed(rows)
+    full = torch.randn(rows, offset + (heads + other) * d, generator=g).to(torch.bfloat16).cuda()
+    x = full[:, offset:offset + heads * d].view(rows, heads, d)
+    with pytest.raises(RuntimeError):
+        x.view(rows * heads, d)                                           # not one uniform row stride
+    split = nr.norm_path(x, x.stride(0), w, x.stride(1))
+    assert split == ("v8" if d % 8 == 0 else "generic")
+    out = nr.rms_norm(x, w, m.eps)
+    want = nr.rms_norm(x.contiguous(), w, m.eps)
+    assert out.shape == x.shape and out.is_contiguous()
+    assert torch.equal(out, want), (out - want).abs().max()
+
+
+@gpu
 @given(t=st.integers(1, 40), heads=st.sampled_from([0, 1, 4, 64]), rot=st.sampled_from([16, 64, 128]),
        interleave=st.booleans(), split=st.booleans(), seed=st.integers(0, 2**16),
        start=st.integers(0, 5000))

@@ -10,7 +10,9 @@ rounding boundary (tested against the tolerance policy).
     rope(x [T, ..., R], cos [T, R/2], sin [T, R/2], interleave) -> new contiguous [T, ..., R]
 
 Inputs may be views (a split of a projection's output) as long as the last dim is contiguous and the leading
-dims are laid out with one uniform row stride; other layouts raise (call .contiguous() first).
+dims are laid out with one uniform row stride, or (rms_norm) as [..., heads, D] rows with one stride between
+heads and one between the groups of heads (the head split of a fused q/k/v projection); other layouts raise
+(call .contiguous() first).
 """
 from __future__ import annotations
 
@@ -69,26 +71,35 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    stride = _rows("rms_norm", x, (rows, d)).stride(0)
+    per = 1
+    try:
+        stride, stride1 = x.view(rows, d).stride(0), 0
+    except RuntimeError:                       # a head split of a wider row: [a, per, d] with two strides
+        per = x.shape[-2] if x.dim() >= 3 else 1
+        x3 = _rows("rms_norm", x, (rows // per, per, d))
+        stride, stride1 = x3.stride(0), x3.stride(1)
     kernels = _kernels(x.device.index)
-    if norm_path(x, stride, weight) == "v8":
+    if norm_path(x, stride, weight, stride1) == "v8":
         threads = min(1024, max(32, -(-(d // 8) // (NORM_NV * 32)) * 32))
         launch(kernels["rms_norm_bf16_v8"], x.device, (rows,), (threads,),
-               (ptr(x), np.int64(stride // 8), ptr(weight), np.float32(eps), np.int32(d), ptr(out)))
+               (ptr(x), np.int64(stride // 8), np.int64(stride1 // 8), np.int32(per), ptr(weight), np.float32(eps),
+                np.int32(d), ptr(out)))
     else:
         launch(kernels["rms_norm_bf16"], x.device, (rows,), (32 if d <= 1024 else 256,),
-               (ptr(x), np.int64(stride), ptr(weight), np.float32(eps), np.int32(d), ptr(out)))
+               (ptr(x), np.int64(stride), np.int64(stride1), np.int32(per), ptr(weight), np.float32(eps),
+                np.int32(d), ptr(out)))
     return out
 
 
 NORM_NV = 4          # 16-byte vectors per thread of rms_norm_bf16_v8 (NORM_NV in the .cu)
 
 
-def norm_path(x: torch.Tensor, stride: int, weight: torch.Tensor) -> str:
+def norm_path(x: torch.Tensor, stride: int, weight: torch.Tensor, stride1: int = 0) -> str:
     """Which rms_norm kernel a call runs: "v8" (16-byte loads, the row in registers) when x's start, its row
-    stride, d and the weight are 16-byte aligned and d <= 8 * NORM_NV * 1024, else "generic" (any layout)."""
+    strides, d and the weight are 16-byte aligned and d <= 8 * NORM_NV * 1024, else "generic" (any layout)."""
     d = x.shape[-1]
-    aligned = x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0 and stride % 8 == 0 and d % 8 == 0
+    aligned = x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0 and stride % 8 == 0 and stride1 % 8 == 0 \
+        and d % 8 == 0
     return "v8" if aligned and d <= 8 * NORM_NV * 1024 else "generic"
 
 

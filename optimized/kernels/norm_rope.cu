@@ -23,11 +23,17 @@ __device__ __forceinline__ float block_sum(float ss) {
     return ss;
 }
 
-// Generic path, any layout: one block per row. x rows at x + row * x_stride (elements), out contiguous [rows, d].
-extern "C" __global__ void rms_norm_bf16(const __nv_bfloat16* __restrict__ x, long long x_stride,
-                                        const __nv_bfloat16* __restrict__ w, float eps, int d,
+// Row r of x (one block each) at x + (r / per) * x_stride + (r % per) * x_stride1: rows of a [a, per, d] view with
+// two strides (a head split of a fused projection's output), or of a [rows, d] one with per = 1.
+__device__ __forceinline__ long long row_offset(long long x_stride, long long x_stride1, int per) {
+    return (long long)(blockIdx.x / per) * x_stride + (long long)(blockIdx.x % per) * x_stride1;
+}
+
+// Generic path, any layout: one block per row (strides in elements), out contiguous [rows, d].
+extern "C" __global__ void rms_norm_bf16(const __nv_bfloat16* __restrict__ x, long long x_stride, long long x_stride1,
+                                        int per, const __nv_bfloat16* __restrict__ w, float eps, int d,
                                         __nv_bfloat16* __restrict__ out) {
-    const __nv_bfloat16* xr = x + (long long)blockIdx.x * x_stride;
+    const __nv_bfloat16* xr = x + row_offset(x_stride, x_stride1, per);
     __nv_bfloat16* orow = out + (long long)blockIdx.x * d;
     float ss = 0.f;
 #pragma unroll 8
@@ -55,11 +61,11 @@ __device__ __forceinline__ unsigned bf2(float lo, float hi) {
            ((unsigned)__bfloat16_as_ushort(__float2bfloat16(hi)) << 16);
 }
 
-extern "C" __global__ void rms_norm_bf16_v8(const uint4* __restrict__ x, long long x_stride8,
-                                           const uint4* __restrict__ w, float eps, int d,
+extern "C" __global__ void rms_norm_bf16_v8(const uint4* __restrict__ x, long long x_stride8, long long x_stride1_8,
+                                           int per, const uint4* __restrict__ w, float eps, int d,
                                            uint4* __restrict__ out) {
     const int nv = d >> 3;
-    const uint4* xr = x + (long long)blockIdx.x * x_stride8;
+    const uint4* xr = x + row_offset(x_stride8, x_stride1_8, per);    // strides in 16-B vectors
     uint4* orow = out + (long long)blockIdx.x * nv;
     uint4 v[NORM_NV];
     float ss = 0.f;
