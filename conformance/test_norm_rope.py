@@ -143,8 +143,8 @@ def test_gpu_bad_inputs_raise():
         nr.rms_norm(x, w.float(), 1e-6)
     with pytest.raises(ValueError, match="contiguous last dim"):
         nr.rms_norm(torch.zeros(64, 4, dtype=torch.bfloat16, device="cuda").t(), w, 1e-6)
-    with pytest.raises(ValueError, match="uniform stride"):
-        nr.rms_norm(torch.zeros(4, 6, 64, dtype=torch.bfloat16, device="cuda").transpose(0, 1), w, 1e-6)
+    with pytest.raises(ValueError, match="uniform stride"):     # [6, 4, 5, 64] from [4, 6, 5, 64]: no [a, 5, 64]
+        nr.rms_norm(torch.zeros(4, 6, 5, 64, dtype=torch.bfloat16, device="cuda").transpose(0, 1), w, 1e-6)
     with pytest.raises(ValueError, match="cos"):
         nr.rope(x, torch.zeros(4, 16, device="cuda"), torch.zeros(4, 32, device="cuda"))
     with pytest.raises(ValueError, match="even"):
