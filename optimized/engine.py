@@ -510,12 +510,7 @@ class Engine:
         pos, slots = self._rows(0, n, blk)
         cos, sin = d._cos_sin(pos)
         keys = torch.arange(bucket, device=self.device)
-        hidden = keys[None, :] >= (start[:, None] + blk)                                 # [n, bucket]
-        bias = None
-        if self._dqkv is not None:       # cuda: the mask as an additive bf16 bias [n * G, 1, bucket], 0 or -inf
-            g0 = d.layers[0].self_attn.kv_heads
-            bias = torch.zeros(n, g0, 1, bucket, dtype=self.dtype, device=self.device).masked_fill_(
-                hidden[:, None, None, :], float("-inf")).view(n * g0, 1, bucket)
+        hidden = (keys[None, :] >= (start[:, None] + blk))[:, None, None, None, :]       # [n, 1, 1, 1, bucket]
         for i, layer in enumerate(d.layers):
             at = layer.self_attn
             g, e = at.kv_heads, at.head_dim
@@ -528,34 +523,12 @@ class Engine:
             q = self.ops.rope(q, cos, sin, False).view(n, blk, g, at.heads // g, e)        # [n, B, G, rep, E]
             self._write_context(i, slots, *self._keys_values(at, x, cos, sin, kv))
             k, v = b.ctx_k[i, :n, :bucket], b.ctx_v[i, :n, :bucket]                      # [n, bucket, G, E]
-            h = h + at.o_proj(self._draft_attention(q, k, v, hidden, bias))
+            scores = torch.einsum("nbgre,nsge->ngrbs", q, k).to(torch.promote_types(q.dtype, torch.float32))
+            scores = (scores * e ** -0.5).masked_fill(hidden, float("-inf"))
+            p = torch.softmax(scores, dim=-1).to(q.dtype)
+            h = h + at.o_proj(torch.einsum("ngrbs,nsge->nbgre", p, v).reshape(n * blk, -1))
             h = h + self._draft_mlp(i, layer.mlp, self.ops.norm(layer.post_attention_layernorm, h))
         return d.logits(self.ops.norm(d.norm, h).view(n, blk, -1)[:, 1:])
-
-    @staticmethod
-    def _draft_attention(q, k, v, hidden, bias) -> torch.Tensor:
-        """reference.drafter.DraftAttention's softmax(q k^T / sqrt(E)) v for q [n, B, G, rep, E] over k, v
-        [n, bucket, G, E] with the keys `hidden` [n, bucket] masked -> [n * B, H * E].
-
-        torch backend (bias None): the reference's steps (bf16 scores, then fp32 scale, mask and softmax, P in
-        bf16). cuda backend: baddbmm folds the scale and the mask `bias` [n * G, 1, bucket] into the score GEMM
-        and softmax casts to fp32 itself, so the scores' four elementwise launches become one (the bias copy into
-        the output). Rounding: bf16(scale * acc) with the mask added in fp32 where the reference has
-        scale * bf16(acc), masked: the same values when scale is a power of two (E = 4, 16, 64, 256; the
-        trained drafter's E = 64), one rounding apart otherwise."""
-        n, blk, g, rep, e = q.shape
-        if bias is None:
-            scores = torch.einsum("nbgre,nsge->ngrbs", q, k).to(torch.promote_types(q.dtype, torch.float32))
-            scores = (scores * e ** -0.5).masked_fill(hidden[:, None, None, None, :], float("-inf"))
-            p = torch.softmax(scores, dim=-1).to(q.dtype)
-            return torch.einsum("ngrbs,nsge->nbgre", p, v).reshape(n * blk, -1)
-        qg = q.permute(0, 2, 3, 1, 4).reshape(n * g, rep * blk, e)                      # rows (rep, B) per kv head
-        kg = k.permute(0, 2, 1, 3).reshape(n * g, -1, e)                                # views when n == 1
-        vg = v.permute(0, 2, 1, 3).reshape(n * g, -1, e)
-        scores = torch.baddbmm(bias, qg, kg.transpose(1, 2), alpha=e ** -0.5)          # bf16, -inf past the block
-        p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        o = torch.bmm(p, vg)                                                             # [n * G, rep * B, E]
-        return o.view(n, g, rep, blk, e).permute(0, 3, 1, 2, 4).reshape(n * blk, -1)
 
     def _draft_mlp(self, i: int, mlp, x: torch.Tensor) -> torch.Tensor:
         """reference.target.MLP: down(silu(gate(x)) * up(x)), gate|up as one GEMM on the cuda backend."""
