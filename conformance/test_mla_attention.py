@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import uuid
 
 import pytest
 import torch
 from hypothesis import given, strategies as st
 
 import mla_cases as mc
+from nvrtc_build import compile_log, spill_stores
 from optimized import mla_attention as mla
 from optimized.mla_attention import pack_visibility, unpack_visibility, plan, tree_attention
 
@@ -138,11 +138,7 @@ def _check_ptxas_report(arch: str, log: str) -> dict:
         assert f"Compiling entry function '{name}'" in log, log
     assert ("mla_wgmma_m64_n64" in log) == (arch == "sm_90a")
     assert "C7514" not in log and "serialized" not in log, f"ptxas serialized the wgmma pipeline: {log}"
-    spills = {}
-    for part in log.split("Compiling entry function '")[1:]:
-        name, rest = part.split("'", 1)
-        spills[name] = int(rest.split(" bytes spill stores")[0].rsplit(None, 1)[-1])
-    return spills
+    return spill_stores(log)
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_90a", "sm_120"])
@@ -157,33 +153,10 @@ def test_nvcc_builds(arch, tmp_path):
     assert all(spills[k] == 0 for k in spills if "wgmma" in k), f"a wgmma kernel spills: {res.stderr}"
 
 
-def _nvrtc_build(arch: str) -> str:
-    """Compile the .cu with NVRTC (the compiler CuPy uses) for `arch` with ptxas -v; returns the log."""
-    try:
-        from cuda.bindings import nvrtc
-        # A fresh empty kernel per call: a repeated build of the same PTX on the H200 box returned no ptxas
-        # log (cached below NVRTC), and the ptxas report is what this test reads.
-        nonce = f'\nextern "C" __global__ void mla_test_nonce_{uuid.uuid4().hex}() {{}}\n'
-        err, prog = nvrtc.nvrtcCreateProgram((mla.kernel_source() + nonce).encode(), b"mla_attention.cu", 0, [], [])
-    except Exception as e:  # noqa: BLE001 - no bindings or no libnvrtc: nothing to compile with
-        pytest.skip(f"no NVRTC (install cuda-bindings and nvidia-cuda-nvrtc): {type(e).__name__}: {e}")
-    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        pytest.skip(f"NVRTC unusable here: {err}")
-    opts = [b"-std=c++17", f"-arch={arch}".encode(), b"--ptxas-options=-v"]
-    res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-    _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-    log = b" " * size
-    nvrtc.nvrtcGetProgramLog(prog, log)
-    text = log.decode(errors="replace").rstrip("\x00")
-    assert res[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS, text
-    assert "Compiling entry function" in text, f"NVRTC returned no ptxas report for {arch}: {text!r}"
-    return text
-
-
 @pytest.mark.parametrize("arch", ["sm_90", "sm_90a", "sm_120"])
 def test_nvrtc_builds(arch):
     """What CuPy compiles on each device (_check_ptxas_report), and no spills in the tensor-core kernels."""
-    spills = _check_ptxas_report(arch, _nvrtc_build(arch))
+    spills = _check_ptxas_report(arch, compile_log(mla.kernel_source(), "mla_attention.cu", arch))
     names = _tensor_core_kernels(arch)
     assert set(spills) >= set(names) and all(spills[n] == 0 for n in names), spills
     assert all(spills[k] <= 64 for k in _generic_kernels()), spills   # the fp32 SIMT path (8 B at C <= 1024)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from hypothesis import example, given, settings, strategies as st
 
 from compare import assert_close
+from nvrtc_build import compile_log, spill_stores
 from reference.config import QuantizationConfig
 from reference.factory import random_target, tiny_config
 from reference.int4 import dequantize, quantize
@@ -235,28 +236,45 @@ def test_k26_fields_match_shared_config():
     assert ref.quantization_config.group_size == ours.quantization_config.group_size
 
 
-@pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
-@pytest.mark.parametrize("src", ["moe_int4.cu", "moe_route.cu"])
-def test_nvcc_builds(arch, src, tmp_path):
-    """Every variant optimized.moe compiles (mma.sync, no wgmma) for Hopper and Blackwell, without spills."""
-    if shutil.which("nvcc") is None:
-        pytest.skip("nvcc not on PATH")
+MOE_SOURCES = ["moe_int4.cu", "moe_route.cu"]
+PLAIN_NAMES = {"moe_route.cu": ("moe_route", "moe_group", "moe_router_gemm"), "moe_int4.cu": ("moe_group_small",)}
+
+
+def _moe_source(src: str) -> str:
+    """The source, after checking that its MOE_NVCC_CHECK list instantiates every variant optimized.moe runs."""
     text = open(os.path.join(KERNELS, src)).read()
     if src == "moe_int4.cu":
         for v in moe_k.GEMM_VARIANTS:
             entry = "BOTH(%d, %d, %d)" % v[:3] if v[3] == 1 else "SPLIT(%d, %d, %d, %d)" % v
             assert entry in text, f"MOE_NVCC_CHECK list misses variant {v}"
+    return text
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
+@pytest.mark.parametrize("src", MOE_SOURCES)
+def test_nvcc_builds(arch, src, tmp_path):
+    """Every variant optimized.moe compiles (mma.sync, no wgmma) for Hopper and Blackwell, without spills."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not on PATH")
+    _moe_source(src)
     res = subprocess.run(["nvcc", f"-arch={arch}", "-cubin", "-DMOE_NVCC_CHECK", "-Xptxas", "-v", "-o",
                           str(tmp_path / "k.cubin"), os.path.join(KERNELS, src)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     spills = re.findall(r"(\d+) bytes spill stores", res.stderr)
     assert spills and all(s == "0" for s in spills), f"register spills in {src} for {arch}:\n{res.stderr[-3000:]}"
-    plain = {"moe_route.cu": (b"moe_route", b"moe_group", b"moe_router_gemm"),
-             "moe_int4.cu": (b"moe_group_small",)}[src]
-    if plain:                                    # fetched by plain name: must not be C++-mangled
-        cubin = (tmp_path / "k.cubin").read_bytes()
-        for name in plain:
-            assert b"\x00" + name + b"\x00" in cubin, f"{name.decode()} is not an extern \"C\" symbol"
+    cubin = (tmp_path / "k.cubin").read_bytes()
+    for name in PLAIN_NAMES[src]:                # fetched by plain name: must not be C++-mangled
+        assert b"\x00" + name.encode() + b"\x00" in cubin, f"{name} is not an extern \"C\" symbol"
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
+@pytest.mark.parametrize("src", MOE_SOURCES)
+def test_nvrtc_builds(arch, src):
+    """The same build with NVRTC, the compiler CuPy uses (and the one CI has): every variant, no spills, the
+    plain-name kernels present as entry functions."""
+    spills = spill_stores(compile_log(_moe_source(src), src, arch, ("-DMOE_NVCC_CHECK",)))
+    assert spills and all(v == 0 for v in spills.values()), f"register spills in {src} for {arch}: {spills}"
+    assert set(PLAIN_NAMES[src]) <= set(spills), f"{src}: plain-name kernels missing from {sorted(spills)}"
 
 
 # ---- GPU -----------------------------------------------------------------------------------------------------
