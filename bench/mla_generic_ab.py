@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,25 +53,8 @@ def launch_old(fn, case, mask, out):
 
 
 def time_us(call) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        call()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(LAUNCHES):
-            call()
-    g.replay()
-    times = []
-    for _ in range(REPLAYS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / LAUNCHES)
-    return statistics.median(times)
+    """us per launch: LAUNCHES launches captured in one CUDA graph, median of REPLAYS replays (mla_cases)."""
+    return mc.time_graph([call] * LAUNCHES, reps=REPLAYS) * 1e6
 
 
 def main() -> None:
