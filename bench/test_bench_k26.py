@@ -34,7 +34,13 @@ def engine():
     from optimized.engine import Engine
     from optimized.synthetic import k26_engine_parts
     layers = int(os.environ.get("DDTREE_K26_LAYERS", "12"))
-    target, drafter, moe = k26_engine_parts(layers, "cuda")
+    try:
+        target, drafter, moe = k26_engine_parts(layers, "cuda")
+    except torch.OutOfMemoryError:
+        total = torch.cuda.get_device_properties(0).total_memory / 2 ** 30
+        pytest.fail(f"{layers} K2.6-width layers (~10 GB each, plus ~10 GB of embedding, lm_head and drafter) do "
+                    f"not fit this GPU's {total:.0f} GiB: run on an H200 or set DDTREE_K26_LAYERS to "
+                    f"~{max(1, int(total / 10) - 1)}", pytrace=False)
     eng = Engine(target, drafter, moe_weights=moe, max_seq_len=PREFIX + 256, stage_timing=True)
     torch.cuda.synchronize()
     return eng
