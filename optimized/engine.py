@@ -344,11 +344,10 @@ class Engine:
         self._dqkv = self._dgu = self._dctx = None
         if self.drafter is None or self.backend != "cuda":
             return
-        layers = self.drafter.layers
-        self._dqkv = [torch.cat([l.self_attn.q_proj.weight, l.self_attn.k_proj.weight, l.self_attn.v_proj.weight])
-                      for l in layers]
-        self._dgu = [torch.cat([l.mlp.gate_proj.weight, l.mlp.up_proj.weight]) for l in layers]
-        self._dctx = torch.cat([w for l in layers for w in (l.self_attn.k_proj.weight, l.self_attn.v_proj.weight)])
+        attn = [layer.self_attn for layer in self.drafter.layers]
+        self._dqkv = [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]) for a in attn]
+        self._dgu = [torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]) for layer in self.drafter.layers]
+        self._dctx = torch.cat([w for a in attn for w in (a.k_proj.weight, a.v_proj.weight)])
 
     def _prepare_attention(self):
         cfg = self.cfg
