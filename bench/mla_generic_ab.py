@@ -40,16 +40,14 @@ def old_kernel(path: str):
 
 
 def launch_old(fn, case, mask, out):
-    import cupy
     t, h, c = case.q_lat.shape
     r, s = case.q_pe.shape[2], case.latent.shape[0]
     ptr = lambda x: np.uint64(x.data_ptr())                                      # noqa: E731
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-    with stream:
+    with mla._cupy_stream(torch.cuda.current_stream().cuda_stream, case.q_lat.device.index):
         fn(((t * h + 3) // 4, 1, 1), (128, 1, 1),
            (ptr(case.q_lat), ptr(case.q_pe), ptr(case.latent), ptr(mask), ptr(out), np.int32(t),
             np.int32(h), np.int32(c), np.int32(r), np.int32(s - t), np.int32(s), np.int32(mask.shape[1]),
-            np.float32(case.scale * 1.4426950408889634), np.uint64(0)))
+            np.float32(case.scale * mla._LOG2E), np.uint64(0)))
 
 
 def time_us(call) -> float:

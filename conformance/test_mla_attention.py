@@ -126,15 +126,11 @@ def _tensor_core_kernels(arch: str) -> list[str]:
     return [k for k, c in mla.CONFIGS.items() if c.runs_on(mla.WGMMA_ARCH if arch == "sm_90a" else 0)]
 
 
-def _generic_kernels() -> list[str]:
-    return [f"mla_generic_c{c}" for c in mla.GENERIC_CAPS]
-
-
 def _check_ptxas_report(arch: str, log: str) -> dict:
     """The ptxas -v report of a build for `arch`: every kernel there (the wgmma kernel in sm_90a builds only),
     no wgmma serialization (ptxas C7514, e.g. after a wait_group that ptxas cannot follow). Returns the spill
     stores in bytes per entry function."""
-    for name in _tensor_core_kernels(arch) + ["mla_combine", "mla_combine_rows"] + _generic_kernels():
+    for name in _tensor_core_kernels(arch) + ["mla_combine", "mla_combine_rows"] + list(mla.GENERIC_KERNELS):
         assert f"Compiling entry function '{name}'" in log, log
     assert ("mla_wgmma_m64_n64" in log) == (arch == "sm_90a")
     assert "C7514" not in log and "serialized" not in log, f"ptxas serialized the wgmma pipeline: {log}"
@@ -159,7 +155,7 @@ def test_nvrtc_builds(arch):
     spills = _check_ptxas_report(arch, compile_log(mla.kernel_source(), "mla_attention.cu", arch))
     names = _tensor_core_kernels(arch)
     assert set(spills) >= set(names) and all(spills[n] == 0 for n in names), spills
-    assert all(spills[k] <= 64 for k in _generic_kernels()), spills   # the fp32 SIMT path (8 B at C <= 1024)
+    assert all(spills[k] <= 64 for k in mla.GENERIC_KERNELS), spills   # the fp32 SIMT path (8 B at C <= 1024)
 
 
 # ---- GPU: the tolerance policy ---------------------------------------------------------------------------
@@ -225,7 +221,8 @@ def test_generic_small_dims(t, h, c, r, prefix):
     16-B and the scalar key loads, rows seeing only tree keys (P = 0), warps with several key chunks."""
     case = mc.make_case(t, h, prefix, c=c, r=r, seed=t + c)
     pl = mla.plan_for(case.q_lat, case.q_pe, case.latent)
-    assert pl.backend == "simt" and pl.kernel == f"mla_generic_c{next(k for k in mla.GENERIC_CAPS if c <= k)}"
+    want = next(k for cap, k in zip(mla.GENERIC_CAPS, mla.GENERIC_KERNELS) if c <= cap)
+    assert pl.backend == "simt" and pl.kernel == want, pl
     out = tree_attention(case.q_lat, case.q_pe, case.latent, case.tree_mask, case.scale)
     mc.check_policy(out, mc.reference_f64(case), mc.reference_bf16(case), f"generic C={c} R={r}")
 

@@ -35,6 +35,7 @@ MAX_T = 1025                    # budget 1024 + root: the largest verify block t
 MMA_C, MMA_R = 512, 64          # the dims the tensor-core kernel is built for
 GENERIC_MAX_C, GENERIC_MAX_R = 1024, 256
 GENERIC_CAPS = (64, 256, 1024)  # mla_generic_c<cap>: the generic kernel built for C <= cap
+GENERIC_KERNELS = tuple(f"mla_generic_c{cap}" for cap in GENERIC_CAPS)
 GENERIC_WARPS = 8               # its block (GEN_WARPS in the .cu)
 MAX_SPLITS = 256
 WGMMA_ARCH = 90                 # sm_90a code (the wgmma kernel) runs on compute capability 9.0 only
@@ -125,7 +126,7 @@ def plan(t: int, h: int, c: int, r: int, s: int, sm_count: int, smem_optin: int,
         if config is not None or num_splits not in (None, 1):
             raise ValueError(f"config/num_splits apply to the tensor-core kernel (C={MMA_C}, R={MMA_R}); got "
                              f"C={c}, R={r}, which runs the generic kernel")
-        name = next(f"mla_generic_c{cap}" for cap in GENERIC_CAPS if c <= cap)
+        name = next(k for cap, k in zip(GENERIC_CAPS, GENERIC_KERNELS) if c <= cap)
         return Plan("simt", name, (m, 1, 1), (GENERIC_WARPS * 32, 1, 1), 4 * (c + r + GENERIC_WARPS * (c + 2)))
     if config is None:
         fitting = [k for k in CONFIGS.values() if k.smem_bytes <= smem_optin and k.runs_on(cc)]
@@ -286,7 +287,7 @@ def _device_module(index: int, defines: tuple = ()):
                 if cfg.smem_bytes <= smem_optin:
                     fn.max_dynamic_shared_size_bytes = cfg.smem_bytes
                 kernels[cfg.name] = fn
-            for name in ("mla_combine", "mla_combine_rows") + tuple(f"mla_generic_c{c}" for c in GENERIC_CAPS):
+            for name in ("mla_combine", "mla_combine_rows") + GENERIC_KERNELS:
                 kernels[name] = module.get_function(name)
             built = kernels["mla_combine"].binary_version
             if built != cc:

@@ -74,8 +74,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     per = 1
     try:
         stride, stride1 = x.view(rows, d).stride(0), 0
-    except RuntimeError:                       # a head split of a wider row: [a, per, d] with two strides
-        per = x.shape[-2] if x.dim() >= 3 else 1
+    except RuntimeError:                       # a head split of a wider row: [a, per, d] with two strides (a
+        per = x.shape[-2]                      #   2-D x with a unit last stride always views as [rows, d])
         x3 = _rows("rms_norm", x, (rows // per, per, d))
         stride, stride1 = x3.stride(0), x3.stride(1)
     kernels = _kernels(x.device.index)
