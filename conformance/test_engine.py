@@ -25,6 +25,7 @@ from hypothesis import example, given, strategies as st
 from compare import assert_close
 import optimized
 import reference
+from optimized import draft_ops, greedy
 from optimized.engine import Engine, GraphCaptureError, RoundTiming
 from reference.tree import node_count
 from reference.factory import random_drafter, random_target, tiny_config, tiny_drafter_config
@@ -214,6 +215,8 @@ def test_cuda_engine_matches_reference_on_golden_prompts(gpu_pairs, bf16_referen
         out = optimized.generate(bf, bf_d, case["prompt_ids"], max_new_tokens=g["max_new_tokens"], mode=mode,
                                  budget=budget)
         assert out.backend == "cuda" and out.graphs >= 1
+        assert greedy._kernels.cache_info().currsize >= 1                      # the greedy choice kernel ran
+        assert mode == "ar" or draft_ops._kernels.cache_info().currsize >= 1   # and the drafter's kernels
         ties += compare_tokens(out.tokens, want, margins, f"{mode}/{budget} case {j}")
         exact += out.tokens == want
         gold += out.tokens == case["tokens"]

@@ -28,7 +28,9 @@ A failed capture raises GraphCaptureError (never a silent eager fallback); `eage
 
 Every RMSNorm and RoPE of both models goes through `ops.norm` / `ops.rope`: one CuPy launch each on the cuda
 backend (optimized/norm_rope.py; the reference forms them from ~8-10 small kernels), the reference modules on
-the torch backend. Dense projections and the drafter's attention stay in torch (cuBLAS).
+the torch backend. Dense projections stay in torch (cuBLAS). The drafter's attention on the cuda backend is
+optimized/draft_ops.py: q norm + RoPE one launch, every key/value write one launch, attention one launch (the
+reference's steps were ~16 launches a layer); the torch backend keeps the reference's steps.
 
 Backends (`engine.backend`, asserted by the tests): "cuda" (the suite's kernels, bf16, graphs) and "torch"
 (the same round through reference ops: any device and dtype, eager only; it is how the round logic and expert
@@ -64,6 +66,8 @@ from reference.target import Target, absorbed_attention as torch_absorbed_attent
 from reference.tree import CompiledTree, Tree, build_tree as torch_build_tree, compile_tree as torch_compile_tree, \
     follow_verified_tree as torch_follow, node_count
 
+from .draft_ops import attention_kernel, draft_attention, head_norm_rope, silu_mul, write_keys_values
+from .greedy import argmax_rows
 from .mla_attention import MAX_T, pack_visibility, unpack_visibility
 
 __all__ = ["Engine", "AutoBudget", "GraphCaptureError", "RoundTiming", "BACKENDS", "MIN_BUCKET"]
@@ -341,13 +345,18 @@ class Engine:
         launch-bound engine): per layer q|k|v and gate|up as one weight each, and every layer's context k|v as one
         (commit's context extension). Each output column is the same dot product as in the separate projection
         (cuBLAS may sum it in another order). The torch backend keeps the reference's separate projections."""
-        self._dqkv = self._dgu = self._dctx = None
+        self._dqkv = self._dgu = self._dctx = self._dkw = None
         if self.drafter is None or self.backend != "cuda":
             return
         attn = [layer.self_attn for layer in self.drafter.layers]
+        attention_kernel(attn[0].heads // attn[0].kv_heads, attn[0].head_dim)     # a clear error at load, if any
+        if len({a.k_norm.eps for a in attn} | {a.q_norm.eps for a in attn}) != 1:
+            raise ValueError("Engine: the drafter's q/k norms must share one eps (the cuda backend writes every "
+                             "layer's keys in one launch)")
         self._dqkv = [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]) for a in attn]
         self._dgu = [torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]) for layer in self.drafter.layers]
         self._dctx = torch.cat([w for a in attn for w in (a.k_proj.weight, a.v_proj.weight)])
+        self._dkw = torch.stack([a.k_norm.weight for a in attn])                    # [layers, E]
 
     def _prepare_attention(self):
         cfg = self.cfg
@@ -426,11 +435,10 @@ class Engine:
         k_pe = rope(k_pe, cos, sin, cfg.rope_interleave)
         return q_nope, q_pe, torch.cat([norm(at.kv_a_layernorm, ckv), k_pe], -1)
 
-    def _keys_values(self, at, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None):
-        """reference.drafter.DraftAttention.keys_values through the backend's norm and RoPE; `kv` [rows, 2 G E]:
-        the k|v projection already computed (a slice of a packed projection)."""
+    def _keys_values(self, at, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """reference.drafter.DraftAttention.keys_values through the backend's norm and RoPE (torch backend)."""
         g, e = at.kv_heads, at.head_dim
-        k, v = (at.k_proj(x), at.v_proj(x)) if kv is None else kv.split([g * e, g * e], -1)
+        k, v = at.k_proj(x), at.v_proj(x)
         k = self.ops.norm(at.k_norm, k.view(x.shape[0], g, e))
         return self.ops.rope(k, cos, sin, False), v.view(x.shape[0], g, -1)
 
@@ -473,11 +481,12 @@ class Engine:
         c = self.ops.norm(d.hidden_norm, d.fc(feats.reshape(n * m, -1).to(d.fc.weight.dtype)))
         pos, slots = self._rows(r0, n, m)
         cos, sin = d._cos_sin(pos)
-        kv_all = None if self._dctx is None else F.linear(c, self._dctx).split(
-            [2 * layer.self_attn.kv_heads * layer.self_attn.head_dim for layer in d.layers], -1)
+        if self._dctx is not None:                    # cuda: every layer's k|v in one GEMM, written in one launch
+            write_keys_values(F.linear(c, self._dctx), self._dkw, d.layers[0].self_attn.k_norm.eps, cos, sin,
+                              slots, self.buf.ctx_k, self.buf.ctx_v)
+            return
         for i, layer in enumerate(d.layers):
-            kv = None if kv_all is None else kv_all[i]
-            self._write_context(i, slots, *self._keys_values(layer.self_attn, c, cos, sin, kv))
+            self._write_context(i, slots, *self._keys_values(layer.self_attn, c, cos, sin))
 
     def _rows(self, r0: int, n: int, m: int):
         """Rows start..start+m-1 of requests r0..r0+n-1: their positions [n*m] and flat slots in the [R*cap]
@@ -508,40 +517,52 @@ class Engine:
         start = b.start[:n]
         pos, slots = self._rows(0, n, blk)
         cos, sin = d._cos_sin(pos)
-        keys = torch.arange(bucket, device=self.device)
-        hidden = (keys[None, :] >= (start[:, None] + blk))[:, None, None, None, :]       # [n, 1, 1, 1, bucket]
         for i, layer in enumerate(d.layers):
             at = layer.self_attn
-            g, e = at.kv_heads, at.head_dim
             x = self.ops.norm(layer.input_layernorm, h)
             if self._dqkv is None:
-                q, kv = at.q_proj(x), None
-            else:
-                q, kv = F.linear(x, self._dqkv[i]).split([at.heads * e, 2 * g * e], -1)
-            q = self.ops.norm(at.q_norm, q.view(n * blk, at.heads, e))
-            q = self.ops.rope(q, cos, sin, False).view(n, blk, g, at.heads // g, e)        # [n, B, G, rep, E]
-            self._write_context(i, slots, *self._keys_values(at, x, cos, sin, kv))
-            k, v = b.ctx_k[i, :n, :bucket], b.ctx_v[i, :n, :bucket]                      # [n, bucket, G, E]
-            scores = torch.einsum("nbgre,nsge->ngrbs", q, k).to(torch.promote_types(q.dtype, torch.float32))
-            scores = (scores * e ** -0.5).masked_fill(hidden, float("-inf"))
-            p = torch.softmax(scores, dim=-1).to(q.dtype)
-            h = h + at.o_proj(torch.einsum("ngrbs,nsge->nbgre", p, v).reshape(n * blk, -1))
+                o = self._draft_attention_torch(i, at, x, cos, sin, slots, start, n, blk, bucket)
+            else:                                     # cuda: q|k|v one GEMM, then 3 launches (draft_ops)
+                he, ge = at.heads * at.head_dim, at.kv_heads * at.head_dim
+                qkv = F.linear(x, self._dqkv[i])
+                q = head_norm_rope(qkv[:, :he].view(n * blk, at.heads, at.head_dim), at.q_norm.weight,
+                                   at.q_norm.eps, cos, sin)
+                write_keys_values(qkv[:, he:], self._dkw[i:i + 1], at.k_norm.eps, cos, sin, slots,
+                                  b.ctx_k[i:i + 1], b.ctx_v[i:i + 1])
+                o = draft_attention(q.view(n, blk, at.heads, at.head_dim), b.ctx_k[i], b.ctx_v[i], start, blk,
+                                    bucket, at.head_dim ** -0.5)
+            h = h + at.o_proj(o)
             h = h + self._draft_mlp(i, layer.mlp, self.ops.norm(layer.post_attention_layernorm, h))
         return d.logits(self.ops.norm(d.norm, h).view(n, blk, -1)[:, 1:])
+
+    def _draft_attention_torch(self, i, at, x, cos, sin, slots, start, n: int, blk: int, bucket: int):
+        """The torch backend's drafter attention (the reference's steps) over the static context buffers: the
+        block's keys/values written at its own slots, keys s >= start + blk masked. Returns [n * B, H * E]."""
+        b = self.buf
+        g, e = at.kv_heads, at.head_dim
+        q = self.ops.norm(at.q_norm, at.q_proj(x).view(n * blk, at.heads, e))
+        q = self.ops.rope(q, cos, sin, False).view(n, blk, g, at.heads // g, e)            # [n, B, G, rep, E]
+        self._write_context(i, slots, *self._keys_values(at, x, cos, sin))
+        k, v = b.ctx_k[i, :n, :bucket], b.ctx_v[i, :n, :bucket]                          # [n, bucket, G, E]
+        keys = torch.arange(bucket, device=self.device)
+        hidden = (keys[None, :] >= (start[:, None] + blk))[:, None, None, None, :]       # [n, 1, 1, 1, bucket]
+        scores = torch.einsum("nbgre,nsge->ngrbs", q, k).to(torch.promote_types(q.dtype, torch.float32))
+        scores = (scores * e ** -0.5).masked_fill(hidden, float("-inf"))
+        p = torch.softmax(scores, dim=-1).to(q.dtype)
+        return torch.einsum("ngrbs,nsge->nbgre", p, v).reshape(n * blk, -1)
 
     def _draft_mlp(self, i: int, mlp, x: torch.Tensor) -> torch.Tensor:
         """reference.target.MLP: down(silu(gate(x)) * up(x)), gate|up as one GEMM on the cuda backend."""
         if self._dgu is None:
             return mlp(x)
-        gate, up = F.linear(x, self._dgu[i]).chunk(2, -1)
-        return mlp.down_proj(F.silu(gate) * up)
+        return mlp.down_proj(silu_mul(F.linear(x, self._dgu[i])))
 
     # ---- one round, as stages (all requests of the batch together) ----------------------------------------
 
     def _choose(self, logits: torch.Tensor) -> torch.Tensor:
         temperature, top_p, top_k, gen = self._sampling
         if temperature == 0:
-            return logits.argmax(-1)
+            return argmax_rows(logits) if self.backend == "cuda" else logits.argmax(-1)
         if self.backend == "torch":
             return sample(logits, temperature, top_p, top_k, gen)        # the reference's sampler, same RNG
         probs = sampling_probs(logits, temperature, top_p, top_k)        # on-device, graph-safe sampling
