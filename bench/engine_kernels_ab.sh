@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One GPU call: the drafter/greedy kernel conformance, the engine's GPU conformance, then the same-card engine A/B
+# against _ab_base/ (bench/engine_ab.sh prepare BASE first; carry _ab_base). Everything lands in /tmp/ekab and
+# comes back as $OUT/ekab.tgz (the device returns at most 8 files); short tables are printed last.
+#   OUT=dir DDTREE_COMMIT=hash bash bench/engine_kernels_ab.sh
+set -u
+R=/tmp/ekab; rm -rf $R; mkdir -p $R
+export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-dev} PYTHONDONTWRITEBYTECODE=1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+q="-q -p no:cacheprovider --tb=short"
+nvidia-smi --query-gpu=name --format=csv,noheader
+timeout ${KERNEL_TIMEOUT:-150} python3 -m pytest conformance/test_draft_ops.py conformance/test_greedy.py $q -rs \
+    > $R/kernel_tests.txt 2>&1
+echo "kernel tests rc=$?"; tail -4 $R/kernel_tests.txt
+timeout ${TEST_TIMEOUT:-200} python3 -m pytest conformance/test_engine.py -m gpu $q -rP > $R/engine_tests.txt 2>&1
+rc=$?; echo "engine tests rc=$rc"; grep -E "cases equal|near-tie divergence\(s\)$|passed|failed|FAILED" $R/engine_tests.txt | tail -12
+if [ "${SKIP_AB:-0}" != 1 ]; then OUT=$R/ab bash bench/engine_ab.sh run; fi
+tar czf "$OUT/ekab.tgz" -C $R .
