@@ -195,6 +195,24 @@ def test_draft_attention_drawn(n, b, g, rep, e, data):
 
 
 @gpu
+@given(n=st.integers(1, 4), m=st.integers(1, 40), half=st.sampled_from([8, 32, 64]),
+       amplitude=st.sampled_from([1.0, 1.2079]), data=st.data())
+@settings(max_examples=30, deadline=None)
+def test_rows_rope_bit_equal(n, m, half, amplitude, data):
+    """Slots and angles of rows start..start+m-1 per request == the engine's _rows + rope_cos_sin, bit for bit."""
+    starts = data.draw(st.lists(st.integers(0, 300_000), min_size=n, max_size=n), label="starts")
+    start = torch.tensor(starts, device="cuda")
+    offs = torch.arange(n, device="cuda") * 400_000
+    inv = rope_inv_freq(2 * half, 50000.0).cuda()
+    slots, cos, sin = do.rows_rope(start, offs, m, inv, amplitude)
+    pos = (start[:, None] + torch.arange(m, device="cuda")).reshape(-1)
+    want_cos, want_sin = rope_cos_sin(inv, pos, amplitude)
+    assert torch.equal(slots, pos + offs.repeat_interleave(m))
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin), \
+        f"{(cos != want_cos).sum().item()} cos and {(sin != want_sin).sum().item()} sin values differ"
+
+
+@gpu
 def test_silu_mul():
     gen = torch.Generator().manual_seed(0)
     gu = (3 * torch.randn(37, 2 * 300, generator=gen)).to(torch.bfloat16).cuda()

@@ -13,6 +13,9 @@ backend (`Engine(backend="cuda")`; the torch backend keeps the reference's steps
         softmax(q k^T * scale) v over cache rows s < start[r] + blk of request r (the committed context and the
         block's own rows, written there first): the reference's unmasked [context; block] attention
     silu_mul(gu [rows, 2F])                                                  -> [rows, F]  silu(gate) * up
+    rows_rope(start [n], offs [n], m, inv_freq, amplitude)       -> slots [n*m], cos, sin [n*m, E/2]
+        the flat cache slots and RoPE angles of rows start..start+m-1 per request (the engine's _rows and
+        reference.target.rope_cos_sin: ~9 launches), one launch, bit-equal
 
 Numerics: the norm and RoPE repeat the reference's rounding steps (the RMSNorm sum is a warp tree sum, so a value
 may round one bf16 step differently, as optimized.norm_rope); the attention rounds scores to bf16 as the
@@ -37,7 +40,7 @@ ATTENTION_VARIANTS = ((1, 2), (2, 2), (4, 2), (1, 4), (2, 4), (4, 4), (8, 4), (1
 KEYS_PER_SPLIT = 512                    # keys a block walks when a call splits the keys (multiple of 32 * DA_WARPS)
 ONE_SPLIT_MAX = 1024                    # up to this many keys a call runs one split (no merge launch)
 _LOG2E = 1.4426950408889634
-KERNELS = ("head_norm_rope", "draft_attention_merge", "silu_mul") + tuple(
+KERNELS = ("head_norm_rope", "draft_attention_merge", "silu_mul", "rows_rope") + tuple(
     f"draft_attention_r{r}_c{c}" for r, c in ATTENTION_VARIANTS)
 
 
@@ -200,3 +203,26 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
         launch(_kernels(gu.device.index)["silu_mul"], gu.device, (-(-(rows * f) // 256),), (256,),
                (ptr(gu), np.int64(rows), np.int32(f), ptr(out)))
     return out
+
+
+def rows_rope(start: torch.Tensor, offs: torch.Tensor, m: int, inv_freq: torch.Tensor, amplitude: float):
+    """Requests r < n = len(start): rows start[r] + i, i < m -> (flat slots start[r] + i + offs[r] int64 [n * m],
+    cos, sin float32 [n * m, half]) = reference.target.rope_cos_sin(inv_freq, positions, amplitude), bit-equal."""
+    n = start.shape[0] if start.dim() == 1 else -1
+    for name, t in (("start", start), ("offs", offs)):
+        if not t.is_cuda or t.dtype != torch.long or tuple(t.shape) != (n,) or not t.is_contiguous():
+            raise ValueError(f"rows_rope: {name} must be contiguous int64 [n] on the GPU, got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+    if inv_freq.dtype != torch.float32 or inv_freq.dim() != 1 or not inv_freq.is_contiguous() \
+            or inv_freq.device != start.device:
+        raise ValueError(f"rows_rope: inv_freq must be contiguous float32 [half] on {start.device}, got "
+                         f"{inv_freq.dtype} {tuple(inv_freq.shape)} on {inv_freq.device}")
+    half = inv_freq.shape[0]
+    slots = torch.empty(n * m, dtype=torch.long, device=start.device)
+    cos = torch.empty(n * m, half, dtype=torch.float32, device=start.device)
+    sin = torch.empty_like(cos)
+    if n * m * half:
+        launch(_kernels(start.device.index)["rows_rope"], start.device, (-(-(n * m * half) // 256),), (256,),
+               (ptr(start), ptr(offs), np.int32(n), np.int32(m), ptr(inv_freq), np.int32(half),
+                np.float32(amplitude), ptr(slots), ptr(cos), ptr(sin)))
+    return slots, cos, sin

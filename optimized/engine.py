@@ -66,7 +66,7 @@ from reference.target import Target, absorbed_attention as torch_absorbed_attent
 from reference.tree import CompiledTree, Tree, build_tree as torch_build_tree, compile_tree as torch_compile_tree, \
     follow_verified_tree as torch_follow, node_count
 
-from .draft_ops import attention_kernel, draft_attention, head_norm_rope, silu_mul, write_keys_values
+from .draft_ops import attention_kernel, draft_attention, head_norm_rope, rows_rope, silu_mul, write_keys_values
 from .greedy import argmax_rows
 from .mla_attention import MAX_T, pack_visibility, unpack_visibility
 
@@ -386,6 +386,8 @@ class Engine:
                             torch.zeros(r, MAX_T + 2, dtype=torch.long, pin_memory=pin),
                             torch.ones(r, dtype=torch.long, pin_memory=pin), torch.arange(MAX_T + 1, **z),
                             torch.arange(r, **z) * self.cap, torch.zeros(MAX_T, **long), torch.zeros(1, **long))
+        self._draft_ids = None if self.drafter is None else torch.full(
+            (r, self.drafter.block_size), self.drafter.mask_token_id, **long)      # column 0: each round's bonus
         self._causal: dict = {}                   # rows -> packed causal visibility [1, rows, W] (prefill)
 
     # ---- the target forward over T rows per request at slots start.. (prefill chunks and verify alike) -------
@@ -479,8 +481,7 @@ class Engine:
         d = self.drafter
         n, m = feats.shape[:2]
         c = self.ops.norm(d.hidden_norm, d.fc(feats.reshape(n * m, -1).to(d.fc.weight.dtype)))
-        pos, slots = self._rows(r0, n, m)
-        cos, sin = d._cos_sin(pos)
+        slots, cos, sin = self._draft_rows(r0, n, m)
         if self._dctx is not None:                    # cuda: every layer's k|v in one GEMM, written in one launch
             write_keys_values(F.linear(c, self._dctx), self._dkw, d.layers[0].self_attn.k_norm.eps, cos, sin,
                               slots, self.buf.ctx_k, self.buf.ctx_v)
@@ -494,6 +495,15 @@ class Engine:
         b = self.buf
         pos = (b.start[r0:r0 + n, None] + b.arange[:m]).reshape(-1)
         return pos, pos + b.offs[r0:r0 + n].repeat_interleave(m)
+
+    def _draft_rows(self, r0: int, n: int, m: int):
+        """Rows start..start+m-1 of requests r0..r0+n-1: their flat slots [n*m] and the drafter's RoPE angles
+        (one launch on the cuda backend: draft_ops.rows_rope, bit-equal to _rows + the drafter's _cos_sin)."""
+        d, b = self.drafter, self.buf
+        if self.backend == "cuda":
+            return rows_rope(b.start[r0:r0 + n], b.offs[r0:r0 + n], m, d.inv_freq, d.rope_amplitude)
+        pos, slots = self._rows(r0, n, m)
+        return (slots,) + tuple(d._cos_sin(pos))
 
     def _write_context(self, i: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Drafter layer i's keys/values [rows, G, E] into the context buffers at flat slots."""
@@ -511,19 +521,22 @@ class Engine:
         viewing the query heads as [kv heads, group] (no repeat of the context to every query head)."""
         d, b = self.drafter, self.buf
         blk = depth + 1
-        ids = torch.cat([b.bonus[:n, None],
-                         torch.full((n, depth), d.mask_token_id, dtype=torch.long, device=self.device)], 1)
-        h = self.target.embed(ids.reshape(-1)).to(d.fc.weight.dtype) * d.cfg.input_embedding_scale  # [n*B, D]
+        if blk > self._draft_ids.shape[1]:
+            raise ValueError(f"draft depth {depth} exceeds the drafter's block ({self._draft_ids.shape[1]} positions)")
+        ids = self._draft_ids[:n, :blk]                                                  # [bonus, mask x depth]
+        ids[:, 0].copy_(b.bonus[:n])
+        h = self.target.embed(ids).view(n * blk, -1).to(d.fc.weight.dtype)               # [n*B, D]
+        if d.cfg.input_embedding_scale != 1.0:
+            h = h * d.cfg.input_embedding_scale
         start = b.start[:n]
-        pos, slots = self._rows(0, n, blk)
-        cos, sin = d._cos_sin(pos)
+        slots, cos, sin = self._draft_rows(0, n, blk)
         for i, layer in enumerate(d.layers):
             at = layer.self_attn
             x = self.ops.norm(layer.input_layernorm, h)
             if self._dqkv is None:
                 o = self._draft_attention_torch(i, at, x, cos, sin, slots, start, n, blk, bucket)
             else:                                     # cuda: q|k|v one GEMM, then 3 launches (draft_ops)
-                he, ge = at.heads * at.head_dim, at.kv_heads * at.head_dim
+                he = at.heads * at.head_dim
                 qkv = F.linear(x, self._dqkv[i])
                 q = head_norm_rope(qkv[:, :he].view(n * blk, at.heads, at.head_dim), at.q_norm.weight,
                                    at.q_norm.eps, cos, sin)
@@ -531,8 +544,13 @@ class Engine:
                                   b.ctx_k[i:i + 1], b.ctx_v[i:i + 1])
                 o = draft_attention(q.view(n, blk, at.heads, at.head_dim), b.ctx_k[i], b.ctx_v[i], start, blk,
                                     bucket, at.head_dim ** -0.5)
+                # the residual adds inside the GEMMs (one rounding of h + o W^T where the reference rounds twice)
+                h = torch.addmm(h, o, at.o_proj.weight.t())
+                gu = F.linear(self.ops.norm(layer.post_attention_layernorm, h), self._dgu[i])
+                h = torch.addmm(h, silu_mul(gu), layer.mlp.down_proj.weight.t())
+                continue
             h = h + at.o_proj(o)
-            h = h + self._draft_mlp(i, layer.mlp, self.ops.norm(layer.post_attention_layernorm, h))
+            h = h + layer.mlp(self.ops.norm(layer.post_attention_layernorm, h))
         return d.logits(self.ops.norm(d.norm, h).view(n, blk, -1)[:, 1:])
 
     def _draft_attention_torch(self, i, at, x, cos, sin, slots, start, n: int, blk: int, bucket: int):
@@ -550,12 +568,6 @@ class Engine:
         scores = (scores * e ** -0.5).masked_fill(hidden, float("-inf"))
         p = torch.softmax(scores, dim=-1).to(q.dtype)
         return torch.einsum("ngrbs,nsge->nbgre", p, v).reshape(n * blk, -1)
-
-    def _draft_mlp(self, i: int, mlp, x: torch.Tensor) -> torch.Tensor:
-        """reference.target.MLP: down(silu(gate(x)) * up(x)), gate|up as one GEMM on the cuda backend."""
-        if self._dgu is None:
-            return mlp(x)
-        return mlp.down_proj(silu_mul(F.linear(x, self._dgu[i])))
 
     # ---- one round, as stages (all requests of the batch together) ----------------------------------------
 
@@ -586,7 +598,8 @@ class Engine:
         for j in range(n):
             tree = chain_tree(r.logits_d[j]) if mode == "chain" else self.ops.build_tree(r.logits_d[j], budget)
             parts.append(self.ops.compile(tree, b.bonus[j:j + 1]))
-        r.ids, r.depths, r.parents = (torch.stack([p[k] for p in parts]) for k in range(3))
+        r.ids, r.depths, r.parents = (parts[0][k][None] if n == 1 else torch.stack([p[k] for p in parts])
+                                      for k in range(3))                      # one request: views, no copies
         t, w = parts[0][3].shape
         r.bits = torch.zeros(n, _pad4(t), w, dtype=torch.int32, device=dev)
         r.bits[:, :t] = torch.stack([p[3] for p in parts])
@@ -606,9 +619,12 @@ class Engine:
             length, bonus = torch.ones(n, dtype=torch.long, device=dev), r.choices[:, 0]
         else:
             outs = [self.ops.follow(r.ids[j], r.parents[j], r.choices[j]) for j in range(n)]
-            acc = torch.stack([o[0] for o in outs])                            # [n, T], -1 past the path
-            length = torch.cat([o[1].reshape(1) for o in outs])                # [n]
-            bonus = torch.cat([o[2].reshape(1) for o in outs])
+            if n == 1:                                                         # views, no copies
+                acc, length, bonus = outs[0][0][None], outs[0][1].reshape(1), outs[0][2].reshape(1)
+            else:
+                acc = torch.stack([o[0] for o in outs])                        # [n, T], -1 past the path
+                length = torch.cat([o[1].reshape(1) for o in outs])            # [n]
+                bonus = torch.cat([o[2].reshape(1) for o in outs])
         r.accepted, r.bonus = acc, bonus
         start, base = b.start[:n], b.offs[:n, None] + b.start[:n, None]
         src = (base + acc.clamp(min=0)).reshape(-1)                            # rows past length: junk

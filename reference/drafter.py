@@ -122,9 +122,12 @@ class Drafter(nn.Module):
     def new_context(self) -> DraftContext:
         return DraftContext(self.cfg.num_hidden_layers)
 
+    @property
+    def rope_amplitude(self) -> float:
+        return self.cfg.rope_scaling.amplitude if self.cfg.rope_scaling is not None else 1.0
+
     def _cos_sin(self, positions: torch.Tensor):
-        amplitude = self.cfg.rope_scaling.amplitude if self.cfg.rope_scaling is not None else 1.0
-        return rope_cos_sin(self.inv_freq, positions, amplitude)
+        return rope_cos_sin(self.inv_freq, positions, self.rope_amplitude)
 
     @torch.no_grad()
     def extend_context(self, ctx: DraftContext, features: torch.Tensor) -> None:

@@ -276,3 +276,21 @@ extern "C" __global__ void silu_mul(const bf16* __restrict__ gu, long long rows,
     const float g = __bfloat162float(gu[r * 2 * F + c]), u = __bfloat162float(gu[r * 2 * F + F + c]);
     out[i] = __float2bfloat16(r16(g / (1.f + expf(-g))) * u);
 }
+
+// The rows start[r] .. start[r] + m - 1 of requests r < n (the drafter's block, or commit's context rows): their
+// flat cache slots (pos + offs[r]) and RoPE angles, as reference.target.rope_cos_sin: cos/sin float32 [n * m, half]
+// = cos/sin(float(pos) * inv_freq[k]) * amplitude (the same fp32 steps, so the same bits). A thread per (row, k).
+extern "C" __global__ void rows_rope(const long long* __restrict__ start, const long long* __restrict__ offs, int n,
+                                     int m, const float* __restrict__ inv_freq, int half, float amplitude,
+                                     long long* __restrict__ slots, float* __restrict__ cosv,
+                                     float* __restrict__ sinv) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n * m * half) return;
+    const long long row = i / half;
+    const int k = (int)(i % half), r = (int)(row / m);
+    const long long pos = __ldg(start + r) + row % m;
+    if (k == 0) slots[row] = pos + __ldg(offs + r);
+    const float a = (float)pos * __ldg(inv_freq + k);
+    cosv[i] = cosf(a) * amplitude;
+    sinv[i] = sinf(a) * amplitude;
+}
