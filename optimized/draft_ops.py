@@ -133,9 +133,14 @@ def write_keys_values(kv: torch.Tensor, weights: torch.Tensor, eps: float, cos: 
 
 def attention_kernel(rep: int, e: int) -> str:
     """The draft_attention variant for `rep` query heads per kv head and head_dim e (or a clear error)."""
+    r, c = _variant(rep, e)
+    return f"draft_attention_r{r}_c{c}"
+
+
+def _variant(rep: int, e: int):
     for r, c in ATTENTION_VARIANTS:
         if rep <= r and e <= 32 * c:
-            return f"draft_attention_r{r}_c{c}"
+            return r, c
     raise ValueError(f"draft_attention: {rep} query heads per kv head with head_dim {e} has no kernel variant "
                      f"(built: rep <= 8 with head_dim <= 128, rep <= 4 with head_dim <= 256); use "
                      "Engine(backend='torch') for this drafter")
@@ -170,8 +175,7 @@ def draft_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if e % 8 == 0 and (k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16):
         raise ValueError("draft_attention: the caches must be 16-byte aligned")
     rep = h // g
-    name = attention_kernel(rep, e)
-    r_max = int(name.split("_r")[1].split("_")[0])
+    r_max, _ = _variant(rep, e)
     out = torch.empty(n * b, h * e, dtype=q.dtype, device=q.device)
     splits = splits_for(max_keys)
     kps = ONE_SPLIT_MAX if splits == 1 else KEYS_PER_SPLIT
@@ -181,7 +185,7 @@ def draft_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_ml = torch.empty(n * g * b, splits, rep, 2, dtype=torch.float32, device=q.device)
     kernels = _kernels(q.device.index)
     smem = 4 * (r_max * e * (1 + DA_WARPS) + DA_WARPS * r_max * 2)
-    launch(kernels[name], q.device, (splits, b, n * g), (DA_WARPS * 32,),
+    launch(kernels[attention_kernel(rep, e)], q.device, (splits, b, n * g), (DA_WARPS * 32,),
            (ptr(q), ptr(k_cache), ptr(v_cache), ptr(out), ptr(part_o), ptr(part_ml), ptr(start), np.int32(blk),
             np.int32(b), np.int32(g), np.int32(rep), np.int32(e), np.int64(cap * g * e), np.int32(kps),
             np.int32(max_keys), np.float32(scale * _LOG2E)), shared_mem=smem)
