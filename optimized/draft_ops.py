@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cuda_launch import launch, ptr
+from .cuda_launch import build_kernels, launch, ptr
 
 _SOURCE = Path(__file__).parent / "kernels" / "draft.cu"
 HNR_WARPS, HNR_MAXE = 4, 256            # head_norm_rope's block (warps) and largest head dim (the .cu's)
@@ -46,13 +46,7 @@ KERNELS = ("head_norm_rope", "draft_attention_merge", "silu_mul", "rows_rope") +
 
 @functools.lru_cache(maxsize=None)
 def _kernels(device_index: int) -> dict:
-    try:
-        import cupy
-    except ImportError as e:
-        raise RuntimeError("optimized.draft_ops needs CuPy (pip install cupy-cuda13x) and a CUDA GPU") from e
-    with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=_SOURCE.read_text(), options=("-std=c++17",))
-        return {n: module.get_function(n) for n in KERNELS}
+    return build_kernels(_SOURCE, KERNELS, device_index, "optimized.draft_ops")
 
 
 def _bf16_cuda(what: str, **tensors):

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cuda_launch import launch, ptr
+from .cuda_launch import build_kernels, launch, ptr
 
 _SOURCE = Path(__file__).parent / "kernels" / "greedy.cu"
 KERNELS = {torch.bfloat16: "argmax_bf16", torch.float32: "argmax_f32"}
@@ -21,13 +21,7 @@ THREADS = 256                                  # AM_THREADS in the .cu
 
 @functools.lru_cache(maxsize=None)
 def _kernels(device_index: int) -> dict:
-    try:
-        import cupy
-    except ImportError as e:
-        raise RuntimeError("optimized.greedy needs CuPy (pip install cupy-cuda13x) and a CUDA GPU") from e
-    with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=_SOURCE.read_text(), options=("-std=c++17",))
-        return {n: module.get_function(n) for n in KERNELS.values()}
+    return build_kernels(_SOURCE, tuple(KERNELS.values()), device_index, "optimized.greedy")
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -23,20 +23,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cuda_launch import launch, ptr
+from .cuda_launch import build_kernels, launch, ptr
 
 _SOURCE = Path(__file__).parent / "kernels" / "norm_rope.cu"
+KERNELS = ("rms_norm_bf16", "rms_norm_bf16_v8", "rope_bf16")
 
 
 @functools.lru_cache(maxsize=None)
 def _kernels(device_index: int) -> dict:
-    try:
-        import cupy
-    except ImportError as e:
-        raise RuntimeError("optimized.norm_rope needs CuPy (pip install cupy-cuda13x) and a CUDA GPU") from e
-    with cupy.cuda.Device(device_index):       # CuPy adds -arch for the current device itself (NVRTC -> cubin)
-        module = cupy.RawModule(code=_SOURCE.read_text(), options=("-std=c++17",))
-        return {n: module.get_function(n) for n in ("rms_norm_bf16", "rms_norm_bf16_v8", "rope_bf16")}
+    return build_kernels(_SOURCE, KERNELS, device_index, "optimized.norm_rope")
 
 
 def _check(what: str, x: torch.Tensor):
