@@ -626,14 +626,15 @@ class Engine:
                 length = torch.cat([o[1].reshape(1) for o in outs])            # [n]
                 bonus = torch.cat([o[2].reshape(1) for o in outs])
         r.accepted, r.bonus = acc, bonus
+        m = min(t, key[3] + 1)                  # a path holds at most depth + 1 rows: move and extend only those
         start, base = b.start[:n], b.offs[:n, None] + b.start[:n, None]
-        src = (base + acc.clamp(min=0)).reshape(-1)                            # rows past length: junk
-        dst = (base + b.arange[:t]).reshape(-1)
+        src = (base + acc[:, :m].clamp(min=0)).reshape(-1)                     # rows past length: junk
+        dst = (base + b.arange[:m]).reshape(-1)
         flat = b.latent.view(b.latent.shape[0], -1, b.latent.shape[-1])       # [layers, R*cap, C+R]
         rows = flat.index_select(1, src)                                       # gather first ...
         flat.index_copy_(1, dst, rows)                                         # ... then write
         if mode != "ar":
-            idx = acc.clamp(min=0)[..., None].expand(-1, -1, r.feats.shape[-1])
+            idx = acc[:, :m].clamp(min=0)[..., None].expand(-1, -1, r.feats.shape[-1])
             self._extend_context(r.feats.gather(1, idx))
         emitted = torch.cat([r.ids.gather(1, acc[:, 1:].clamp(min=0)), bonus[:, None]], 1)   # [n, T]
         b.out_tokens[:n, :t].copy_(emitted)
