@@ -7,13 +7,16 @@ set -u
 R=/tmp/ekab; rm -rf $R; mkdir -p $R
 export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-dev} PYTHONDONTWRITEBYTECODE=1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 q="-q -p no:cacheprovider --tb=short"
+save() { tar czf "$OUT/ekab.tgz" -C $R .; }             # after every step: a call cut at its limit keeps the rest
 nvidia-smi --query-gpu=name --format=csv,noheader
 timeout ${KERNEL_TIMEOUT:-150} python3 -m pytest conformance/test_draft_ops.py conformance/test_greedy.py \
     "conformance/test_moe_kernels.py::test_router_logits_policy" $q -rs > $R/kernel_tests.txt 2>&1
-echo "kernel tests rc=$?"; tail -4 $R/kernel_tests.txt
+echo "kernel tests rc=$?"; tail -4 $R/kernel_tests.txt; save
 [ -f _ab_base/optimized/kernels/moe_route.cu ] && timeout 60 python3 bench/router_ab.py \
     --old _ab_base/optimized/kernels/moe_route.cu --out $R > $R/router_ab.txt 2>&1; echo "router A/B rc=$?"
+grep -E "^\| (384|16) " $R/router_ab.md 2>/dev/null; save
 timeout ${TEST_TIMEOUT:-200} python3 -m pytest conformance/test_engine.py -m gpu $q -rP > $R/engine_tests.txt 2>&1
 rc=$?; echo "engine tests rc=$rc"; grep -E "cases equal|near-tie divergence\(s\)$|passed|failed|FAILED" $R/engine_tests.txt | tail -12
+save
 if [ "${SKIP_AB:-0}" != 1 ]; then OUT=$R/ab bash bench/engine_ab.sh run; fi
-tar czf "$OUT/ekab.tgz" -C $R .
+save
