@@ -3,6 +3,8 @@
 # against _ab_base/ (bench/engine_ab.sh prepare BASE first; carry _ab_base). Everything lands in /tmp/ekab and
 # comes back as $OUT/ekab.tgz (the device returns at most 8 files); short tables are printed last.
 #   OUT=dir DDTREE_COMMIT=hash bash bench/engine_kernels_ab.sh
+# SKIP_AB=1: no engine A/B. MOE=1: also the MoE kernels' GPU conformance. PROFILE=1: also the per-kernel profile of
+# the trained pair's stages (bench/engine_profile.py trained).
 set -u
 R=/tmp/ekab; rm -rf $R; mkdir -p $R
 export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-dev} PYTHONDONTWRITEBYTECODE=1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -18,5 +20,13 @@ grep -E "^\| (384|16) " $R/router_ab.md 2>/dev/null; save
 timeout ${TEST_TIMEOUT:-200} python3 -m pytest conformance/test_engine.py -m gpu $q -rP > $R/engine_tests.txt 2>&1
 rc=$?; echo "engine tests rc=$rc"; grep -E "cases equal|near-tie divergence\(s\)$|passed|failed|FAILED" $R/engine_tests.txt | tail -12
 save
+if [ "${MOE:-0}" = 1 ]; then
+    timeout 200 python3 -m pytest conformance/test_moe_kernels.py -m gpu $q > $R/moe_tests.txt 2>&1
+    echo "moe tests rc=$?"; tail -2 $R/moe_tests.txt; save
+fi
+if [ "${PROFILE:-0}" = 1 ]; then
+    timeout 150 python3 bench/engine_profile.py trained --configs ar,16,64 > $R/profile_trained.txt 2>&1
+    echo "profile rc=$?"; grep -E "^== " $R/profile_trained.txt; save
+fi
 if [ "${SKIP_AB:-0}" != 1 ]; then OUT=$R/ab bash bench/engine_ab.sh run; fi
 save

@@ -36,7 +36,7 @@ def main() -> None:
     args = ap.parse_args()
     import cupy
     old = cupy.RawModule(code=open(args.old).read(), options=("-std=c++17",)).get_function("moe_router_gemm")
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
     rows = []
     for e, d, t in SHAPES:
         g = torch.Generator().manual_seed(e + t)
