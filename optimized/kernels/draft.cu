@@ -95,7 +95,9 @@ extern "C" __global__ void __launch_bounds__(HNR_WARPS * 32) head_norm_rope(
     }
 }
 
-#define DA_WARPS 4
+#define DA_WARPS 4   // draft_attention's block. Its launch bounds ask for 2 blocks an SM: with the block size alone,
+                     // NVRTC 13.0's ptxas capped the variants at 128 registers and spilled (r2_c2 on sm_90, r8_c4 on
+                     // sm_120); with (128, 2) none spills under NVRTC 13.0 or 13.5
 
 // grid (splits, B, n * G), DA_WARPS warps. q [n * B, G * rep, E] contiguous; the cache rows of request r at
 // k + r * req_stride + s * G * E + g * E (same for v); out [n * B, G * rep, E] (splits == 1) or the split partials
@@ -227,7 +229,7 @@ __device__ __forceinline__ void draft_attention_body(
 }
 
 #define DRAFT_ATTENTION(REP, CS)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(DA_WARPS * 32) draft_attention_r##REP##_c##CS(                 \
+    extern "C" __global__ void __launch_bounds__(DA_WARPS * 32, 2) draft_attention_r##REP##_c##CS(              \
         const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, bf16* __restrict__ out, \
         float* __restrict__ part_o, float* __restrict__ part_ml, const long long* __restrict__ start, int blk,    \
         int B, int G, int rep, int E, long long req_stride, int keys_per_split, int max_keys, float scale_log2) { \
