@@ -544,11 +544,10 @@ class Engine:
                                   b.ctx_k[i:i + 1], b.ctx_v[i:i + 1])
                 o = draft_attention(q.view(n, blk, at.heads, at.head_dim), b.ctx_k[i], b.ctx_v[i], start, blk,
                                     bucket, at.head_dim ** -0.5)
-                # the residual adds inside the GEMMs, in place (one rounding of h + o W^T where the reference rounds
-                # twice; out of place, torch copies h first: one launch for another)
-                h.addmm_(o, at.o_proj.weight.t())
+                # the residual adds inside the GEMMs (one rounding of h + o W^T where the reference rounds twice)
+                h = torch.addmm(h, o, at.o_proj.weight.t())
                 gu = F.linear(self.ops.norm(layer.post_attention_layernorm, h), self._dgu[i])
-                h.addmm_(silu_mul(gu), layer.mlp.down_proj.weight.t())
+                h = torch.addmm(h, silu_mul(gu), layer.mlp.down_proj.weight.t())
                 continue
             h = h + at.o_proj(o)
             h = h + layer.mlp(self.ops.norm(layer.post_attention_layernorm, h))
