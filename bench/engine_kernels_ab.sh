@@ -14,9 +14,6 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 timeout ${KERNEL_TIMEOUT:-150} python3 -m pytest conformance/test_draft_ops.py conformance/test_greedy.py \
     "conformance/test_moe_kernels.py::test_router_logits_policy" $q -rs > $R/kernel_tests.txt 2>&1
 echo "kernel tests rc=$?"; tail -4 $R/kernel_tests.txt; save
-[ -f _ab_base/optimized/kernels/moe_route.cu ] && timeout 60 python3 bench/router_ab.py \
-    --old _ab_base/optimized/kernels/moe_route.cu --out $R > $R/router_ab.txt 2>&1; echo "router A/B rc=$?"
-grep -E "^\| (384|16) " $R/router_ab.md 2>/dev/null; save
 timeout ${TEST_TIMEOUT:-200} python3 -m pytest conformance/test_engine.py -m gpu $q -rP > $R/engine_tests.txt 2>&1
 rc=$?; echo "engine tests rc=$rc"; grep -E "cases equal|near-tie divergence\(s\)$|passed|failed|FAILED" $R/engine_tests.txt | tail -12
 save

@@ -222,24 +222,11 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(
 // (D % 32 == 0, D / RK <= 4 * 32 * ROUTER_CMAX). Thread (warp, lane): float4 columns lane + 32c of the slice, c <
 // ROUTER_CMAX, for its 2 experts: loaded once, all at once, and kept in registers for every token. Tokens in
 // passes of 16: the block stages their x slice in shared memory (every load in flight together), then each thread
-// adds its columns' products per (expert, token) in column order, and one warp reduce-scatter adds the lanes.
+// adds its columns' products per (expert, token) in column order, and a butterfly adds the lanes.
 // Memory: W 11 MB once (2.6 us at 4.24 TB/s), x's slices cross L2 E/16 times (T = 65: 22 MB). FMAs: T x E x D
 // (T = 65: ~6 us of the GPU's fp32 rate). cuBLAS took 7.5 / 20.7 / 22 us at T = 1 / 17 / 65
 // (bench/results/engine_run11); a first version of this kernel that waited for its W loads column step by column
 // step took 12.8 / 24.6 / 62 us.
-// One step of a warp reduce-scatter: each lane keeps the half of acc[0, 2 OFF) whose bit OFF matches its own lane
-// bit and adds the partner's copy of that half (into acc[0, OFF)).
-template <int OFF>
-__device__ __forceinline__ void reduce_scatter_step(float* acc, int lane) {
-  const bool upper = lane & OFF;
-#pragma unroll
-  for (int k = 0; k < OFF; ++k) {
-    const float send = upper ? acc[k] : acc[k + OFF];
-    const float keep = upper ? acc[k + OFF] : acc[k];
-    acc[k] = keep + __shfl_xor_sync(0xffffffffu, send, OFF);
-  }
-}
-
 #define ROUTER_RK 8
 #define ROUTER_EG 16
 #define ROUTER_TT 16
@@ -271,38 +258,33 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_router_gemm(
       xs[t][col] = __ldg(reinterpret_cast<const uint2*>(x + (size_t)(t0 + t) * D) + q0 + col);
     }
     __syncthreads();
-    // every token of the pass in registers, acc[t * EPW + e] (32 values a lane), then one reduce-scatter across
-    // the lanes: 31 shuffles leave lane l the sum of value l, where a butterfly per value took 5 dependent
-    // shuffles each (160). The pairing (xor 16, 8, 4, 2, 1) is the butterfly's, so the sums are the same bits.
-    static_assert(ROUTER_TT * EPW == 32, "one value per lane after the reduce-scatter");
-    float acc[32];
+    for (int t = 0; t < nt; ++t) {
+      float acc[EPW];
 #pragma unroll
-    for (int j = 0; j < 32; ++j) acc[j] = 0.f;
-#pragma unroll
-    for (int t = 0; t < ROUTER_TT; ++t) {
+      for (int e = 0; e < EPW; ++e) acc[e] = 0.f;
 #pragma unroll
       for (int c = 0; c < ROUTER_CMAX; ++c) {
         const int col = lane + 32 * c;
-        if (t >= nt || col >= slice4) continue;
+        if (col >= slice4) break;
         const uint2 xv = xs[t][col];
         const float x0 = __uint_as_float(xv.x << 16), x1 = __uint_as_float(xv.x & 0xffff0000u);
         const float x2 = __uint_as_float(xv.y << 16), x3 = __uint_as_float(xv.y & 0xffff0000u);
 #pragma unroll
         for (int e = 0; e < EPW; ++e) {
-          float a = acc[t * EPW + e];
+          float a = acc[e];
           a = fmaf(x0, w[e][c].x, a);
           a = fmaf(x1, w[e][c].y, a);
           a = fmaf(x2, w[e][c].z, a);
-          acc[t * EPW + e] = fmaf(x3, w[e][c].w, a);
+          acc[e] = fmaf(x3, w[e][c].w, a);
         }
       }
+#pragma unroll
+      for (int e = 0; e < EPW; ++e) {
+        float v = acc[e];
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+        if (lane == 0 && e0 + e < E) out[(size_t)(t0 + t) * E + e0 + e] = v;
+      }
     }
-    reduce_scatter_step<16>(acc, lane);
-    reduce_scatter_step<8>(acc, lane);
-    reduce_scatter_step<4>(acc, lane);
-    reduce_scatter_step<2>(acc, lane);
-    reduce_scatter_step<1>(acc, lane);
-    const int t = lane / EPW, e = lane % EPW;                // lane l now holds value l = t * EPW + e
-    if (t < nt && e0 + e < E) out[(size_t)(t0 + t) * E + e0 + e] = acc[0];
   }
 }
