@@ -57,3 +57,17 @@ def spill_stores(log: str) -> dict:
         if not fn.startswith("nvrtc_test_nonce_"):
             spills[fn] = int(re.search(r"(\d+) bytes spill stores", rest).group(1))
     return spills
+
+
+def assert_builds_without_spills(source: str, name: str, arch: str, kernels) -> dict:
+    """Build `source` for `arch` against the CUDA headers found here (skip when there are none): every kernel in
+    `kernels` is present and nothing spills (the message names the kernels that do). Returns the spill table."""
+    dirs = include_dirs()
+    if not dirs:
+        pytest.skip("no cuda_bf16.h to compile with (pip install -e '.[test,compile]', or a CUDA toolkit)")
+    spills = spill_stores(compile_log(source, name, arch, (f"-I{dirs[0]}",)))
+    missing = set(kernels) - set(spills)
+    assert not missing, f"{name}: kernels missing from the {arch} build: {sorted(missing)}"
+    spilled = {k: v for k, v in spills.items() if v}
+    assert not spilled, f"{name}: spill stores (bytes) for {arch}: {spilled}"
+    return spills
