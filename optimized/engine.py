@@ -259,6 +259,11 @@ class _Graphs:
     rnd: object                           # what the captured calls produced: a round's _Round, a prefill's logits
 
 
+def _stack(ts: list) -> torch.Tensor:
+    """torch.stack(ts), or a view of the one tensor when there is one request (a stack copies: one launch)."""
+    return ts[0][None] if len(ts) == 1 else torch.stack(ts)
+
+
 def _pad4(t: int) -> int:
     return -(-t // 4) * 4
 
@@ -439,10 +444,8 @@ class Engine:
 
     def _keys_values(self, at, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """reference.drafter.DraftAttention.keys_values through the backend's norm and RoPE (torch backend)."""
-        g, e = at.kv_heads, at.head_dim
-        k, v = at.k_proj(x), at.v_proj(x)
-        k = self.ops.norm(at.k_norm, k.view(x.shape[0], g, e))
-        return self.ops.rope(k, cos, sin, False), v.view(x.shape[0], g, -1)
+        k = self.ops.norm(at.k_norm, at.k_proj(x).view(x.shape[0], at.kv_heads, at.head_dim))
+        return self.ops.rope(k, cos, sin, False), at.v_proj(x).view(x.shape[0], at.kv_heads, -1)
 
     def _mlp(self, i: int, layer, x: torch.Tensor) -> torch.Tensor:
         if not self.cfg.is_moe_layer(i):
@@ -530,34 +533,33 @@ class Engine:
             h = h * d.cfg.input_embedding_scale
         start = b.start[:n]
         slots, cos, sin = self._draft_rows(0, n, blk)
+        layer_fn = self._draft_layer_torch if self._dqkv is None else self._draft_layer_cuda
         for i, layer in enumerate(d.layers):
-            at = layer.self_attn
-            x = self.ops.norm(layer.input_layernorm, h)
-            if self._dqkv is None:
-                o = self._draft_attention_torch(i, at, x, cos, sin, slots, start, n, blk, bucket)
-            else:                                     # cuda: q|k|v one GEMM, then 3 launches (draft_ops)
-                he = at.heads * at.head_dim
-                qkv = F.linear(x, self._dqkv[i])
-                q = head_norm_rope(qkv[:, :he].view(n * blk, at.heads, at.head_dim), at.q_norm.weight,
-                                   at.q_norm.eps, cos, sin)
-                write_keys_values(qkv[:, he:], self._dkw[i:i + 1], at.k_norm.eps, cos, sin, slots,
-                                  b.ctx_k[i:i + 1], b.ctx_v[i:i + 1])
-                o = draft_attention(q.view(n, blk, at.heads, at.head_dim), b.ctx_k[i], b.ctx_v[i], start, blk,
-                                    bucket, at.head_dim ** -0.5)
-                # the residual adds inside the GEMMs (one rounding of h + o W^T where the reference rounds twice)
-                h = torch.addmm(h, o, at.o_proj.weight.t())
-                gu = F.linear(self.ops.norm(layer.post_attention_layernorm, h), self._dgu[i])
-                h = torch.addmm(h, silu_mul(gu), layer.mlp.down_proj.weight.t())
-                continue
-            h = h + at.o_proj(o)
-            h = h + layer.mlp(self.ops.norm(layer.post_attention_layernorm, h))
+            h = layer_fn(i, layer, h, cos, sin, slots, start, n, blk, bucket)
         return d.logits(self.ops.norm(d.norm, h).view(n, blk, -1)[:, 1:])
 
-    def _draft_attention_torch(self, i, at, x, cos, sin, slots, start, n: int, blk: int, bucket: int):
-        """The torch backend's drafter attention (the reference's steps) over the static context buffers: the
-        block's keys/values written at its own slots, keys s >= start + blk masked. Returns [n * B, H * E]."""
-        b = self.buf
+    def _draft_layer_cuda(self, i, layer, h, cos, sin, slots, start, n: int, blk: int, bucket: int):
+        """Drafter layer i on the cuda backend: q|k|v one GEMM, then 3 launches (draft_ops), the residual adds
+        inside the o_proj/down GEMMs (one rounding of h + o W^T where the reference rounds twice). Returns h."""
+        b, at = self.buf, layer.self_attn
+        he = at.heads * at.head_dim
+        qkv = F.linear(self.ops.norm(layer.input_layernorm, h), self._dqkv[i])
+        q = head_norm_rope(qkv[:, :he].view(n * blk, at.heads, at.head_dim), at.q_norm.weight, at.q_norm.eps,
+                           cos, sin)
+        write_keys_values(qkv[:, he:], self._dkw[i:i + 1], at.k_norm.eps, cos, sin, slots, b.ctx_k[i:i + 1],
+                          b.ctx_v[i:i + 1])
+        o = draft_attention(q.view(n, blk, at.heads, at.head_dim), b.ctx_k[i], b.ctx_v[i], start, blk, bucket,
+                            at.head_dim ** -0.5)
+        h = torch.addmm(h, o, at.o_proj.weight.t())
+        gu = F.linear(self.ops.norm(layer.post_attention_layernorm, h), self._dgu[i])
+        return torch.addmm(h, silu_mul(gu), layer.mlp.down_proj.weight.t())
+
+    def _draft_layer_torch(self, i, layer, h, cos, sin, slots, start, n: int, blk: int, bucket: int):
+        """Drafter layer i on the torch backend (the reference's steps) over the static context buffers: the
+        block's keys/values written at its own slots, keys s >= start + blk masked. Returns h."""
+        b, at = self.buf, layer.self_attn
         g, e = at.kv_heads, at.head_dim
+        x = self.ops.norm(layer.input_layernorm, h)
         q = self.ops.norm(at.q_norm, at.q_proj(x).view(n * blk, at.heads, e))
         q = self.ops.rope(q, cos, sin, False).view(n, blk, g, at.heads // g, e)            # [n, B, G, rep, E]
         self._write_context(i, slots, *self._keys_values(at, x, cos, sin))
@@ -567,7 +569,8 @@ class Engine:
         scores = torch.einsum("nbgre,nsge->ngrbs", q, k).to(torch.promote_types(q.dtype, torch.float32))
         scores = (scores * e ** -0.5).masked_fill(hidden, float("-inf"))
         p = torch.softmax(scores, dim=-1).to(q.dtype)
-        return torch.einsum("ngrbs,nsge->nbgre", p, v).reshape(n * blk, -1)
+        h = h + at.o_proj(torch.einsum("ngrbs,nsge->nbgre", p, v).reshape(n * blk, -1))
+        return h + layer.mlp(self.ops.norm(layer.post_attention_layernorm, h))
 
     # ---- one round, as stages (all requests of the batch together) ----------------------------------------
 
@@ -598,11 +601,10 @@ class Engine:
         for j in range(n):
             tree = chain_tree(r.logits_d[j]) if mode == "chain" else self.ops.build_tree(r.logits_d[j], budget)
             parts.append(self.ops.compile(tree, b.bonus[j:j + 1]))
-        r.ids, r.depths, r.parents = (parts[0][k][None] if n == 1 else torch.stack([p[k] for p in parts])
-                                      for k in range(3))                      # one request: views, no copies
+        r.ids, r.depths, r.parents = (_stack([p[k] for p in parts]) for k in range(3))
         t, w = parts[0][3].shape
         r.bits = torch.zeros(n, _pad4(t), w, dtype=torch.int32, device=dev)
-        r.bits[:, :t] = torch.stack([p[3] for p in parts])
+        r.bits[:, :t] = _stack([p[3] for p in parts])
 
     def _stage_verify(self, r: _Round, key):
         n, mode = key[0], key[1]
@@ -619,12 +621,9 @@ class Engine:
             length, bonus = torch.ones(n, dtype=torch.long, device=dev), r.choices[:, 0]
         else:
             outs = [self.ops.follow(r.ids[j], r.parents[j], r.choices[j]) for j in range(n)]
-            if n == 1:                                                         # views, no copies
-                acc, length, bonus = outs[0][0][None], outs[0][1].reshape(1), outs[0][2].reshape(1)
-            else:
-                acc = torch.stack([o[0] for o in outs])                        # [n, T], -1 past the path
-                length = torch.cat([o[1].reshape(1) for o in outs])            # [n]
-                bonus = torch.cat([o[2].reshape(1) for o in outs])
+            acc = _stack([o[0] for o in outs])                                 # [n, T], -1 past the path
+            length = _stack([o[1].reshape(()) for o in outs])                  # [n]
+            bonus = _stack([o[2].reshape(()) for o in outs])
         r.accepted, r.bonus = acc, bonus
         m = min(t, key[3] + 1)                  # a path holds at most depth + 1 rows: move and extend only those
         start, base = b.start[:n], b.offs[:n, None] + b.start[:n, None]
