@@ -336,6 +336,7 @@ class Engine:
                 raise ValueError(f"moe_weights lacks MoE layers {missing[:8]}")
         self.moe_weights = moe_weights
         self._prepare_attention()
+        self._prepare_mlps()
         self._prepare_drafter()
         self._alloc()
         self._graphs: dict = {}
@@ -362,6 +363,37 @@ class Engine:
         self._dgu = [torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]) for layer in self.drafter.layers]
         self._dctx = torch.cat([w for a in attn for w in (a.k_proj.weight, a.v_proj.weight)])
         self._dkw = torch.stack([a.k_norm.weight for a in attn])                    # [layers, E]
+
+    def _prepare_mlps(self):
+        """cuda backend: each bf16 SwiGLU of the target (a dense layer's MLP, an MoE layer's shared expert) gets
+        its gate and up projections as one [2F, D] weight (one GEMM). The separate gate/up weights (module
+        parameters, MoEWeights.shared) become views of it, so no second copy is kept."""
+        self._tgu = {}
+        if self.backend != "cuda":
+            return
+        for i, layer in enumerate(self.target.model.layers):
+            if self.cfg.is_moe_layer(i):
+                w = self.moe_weights[i]
+                if w.shared is None:
+                    continue
+                gate, up, down = w.shared
+                mods = layer.mlp.shared_experts
+            else:
+                mods = layer.mlp
+                if not all(type(m) is torch.nn.Linear for m in (mods.gate_proj, mods.up_proj, mods.down_proj)):
+                    continue                       # e.g. INT4 dense projections: the module's own forward
+                gate, up, down = mods.gate_proj.weight, mods.up_proj.weight, mods.down_proj.weight
+            if gate.dtype != torch.bfloat16 or gate.device != self.device:
+                continue
+            gu = torch.cat([gate, up]).detach()
+            f = gate.shape[0]
+            for lin, src, part in ((getattr(mods, "gate_proj", None), gate, gu[:f]),
+                                   (getattr(mods, "up_proj", None), up, gu[f:])):
+                if lin is not None and lin.weight.data_ptr() == src.data_ptr():
+                    lin.weight.data = part                 # the module shared that storage: rebind it to gu
+            if self.cfg.is_moe_layer(i):
+                self.moe_weights[i].shared = (gu[:f], gu[f:], down)
+            self._tgu[i] = (gu, down)
 
     def _prepare_attention(self):
         cfg = self.cfg
@@ -409,7 +441,7 @@ class Engine:
         seq_len = (start + t).to(torch.int32)
         cos, sin = rope_cos_sin(self.target.inv_freq, (start[:, None] + depths).reshape(-1), self._rope_amp)
         h = self.target.embed(ids.reshape(-1))                                               # [n*T, D]
-        feats = {}
+        feats, own = {}, True                    # own: no one else holds h, so a residual add may write into it
         for i, layer in enumerate(self.target.model.layers):
             at = layer.self_attn
             q_nope, q_pe, rows = self._project(at, self.ops.norm(layer.input_layernorm, h), cos, sin)
@@ -422,11 +454,15 @@ class Engine:
                 rows_j = slice(j * t, (j + 1) * t)
                 self.ops.attention(q_lat[rows_j], q_pe[rows_j], b.latent[i, r0 + j, :bucket], bits[j, :t],
                                    start[j:j + 1], seq_len[j:j + 1], cfg.softmax_scale, o_lat[rows_j])
-            o = torch.einsum("thc,hac->tha", o_lat, self._w_uv[i])
-            h = h + at.o_proj(o.reshape(n * t, -1))
-            h = h + self._mlp(i, layer, self.ops.norm(layer.post_attention_layernorm, h))
+            o = torch.einsum("thc,hac->tha", o_lat, self._w_uv[i]).reshape(n * t, -1)
+            if self.backend == "cuda":           # residual adds inside the GEMMs / the MoE combine (fewer launches)
+                h = self._add_mm(h, o, at.o_proj.weight, own)
+                h, own = self._mlp_residual(i, layer, h, self.ops.norm(layer.post_attention_layernorm, h)), True
+            else:
+                h = h + at.o_proj(o)
+                h = h + self._mlp(i, layer, self.ops.norm(layer.post_attention_layernorm, h))
             if want_feats and i in self.layer_ids:
-                feats[i] = h
+                feats[i], own = h, False         # kept: the next residual add must not write into it
         last = h if logit_rows is None else h.index_select(0, logit_rows)
         logits = self.target.lm_head(self.ops.norm(self.target.model.norm, last)).view(n, -1, self.cfg.vocab_size)
         return logits, (torch.cat([feats[i] for i in self.layer_ids], -1).view(n, t, -1) if want_feats else None)
@@ -447,23 +483,42 @@ class Engine:
         k = self.ops.norm(at.k_norm, at.k_proj(x).view(x.shape[0], at.kv_heads, at.head_dim))
         return self.ops.rope(k, cos, sin, False), at.v_proj(x).view(x.shape[0], at.kv_heads, -1)
 
+    @staticmethod
+    def _add_mm(h: torch.Tensor, a: torch.Tensor, w: torch.Tensor, own: bool) -> torch.Tensor:
+        """h + a w^T in one GEMM (one rounding where the reference rounds a w^T, then the sum): in place when
+        the forward owns h (out of place, torch would first copy h: a launch for a launch)."""
+        return h.addmm_(a, w.t()) if own else torch.addmm(h, a, w.t())
+
+    def _swiglu_into(self, i: int, h: torch.Tensor, x: torch.Tensor, own: bool) -> torch.Tensor:
+        """h + down(silu(gate x) * up x) in three launches (the packed gate|up weight of _prepare_mlps)."""
+        gu, down = self._tgu[i]
+        return self._add_mm(h, silu_mul(F.linear(x, gu)), down, own)
+
+    def _mlp_residual(self, i: int, layer, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """cuda backend: h + layer i's MLP or MoE of x, for an h the forward owns (written in place). SwiGLU MLPs
+        (dense, the shared expert) as gate|up GEMM, silu_mul, down GEMM with h added; the routed experts' combine
+        adds the result of that (one launch each where the reference takes five, then an add)."""
+        if not self.cfg.is_moe_layer(i):
+            return self._swiglu_into(i, h, x, True) if i in self._tgu else h + layer.mlp(x)
+        from .moe import moe_routed, router, shared_expert
+        w = self.moe_weights[i]
+        idx, wt = router(x, w, self.cfg)
+        if self.expert_log is not None:                # diagnostics (eager only): experts per layer
+            self.expert_log.append((i, idx))
+        if self.group is None:
+            if i in self._tgu:                         # the shared expert
+                h = self._swiglu_into(i, h, x, True)
+            return moe_routed(x, idx, wt, w, h)
+        part = moe_routed(x, idx, wt, w, None, torch.float32)                  # fp32 partial [T, D]
+        torch.distributed.all_reduce(part, group=self.group)
+        if w.shared is not None:
+            part += shared_expert(x, w).float()
+        return h + part.to(x.dtype)
+
     def _mlp(self, i: int, layer, x: torch.Tensor) -> torch.Tensor:
+        """torch backend: the reference's MLP / MoE of x (the routed experts through the reference modules)."""
         if not self.cfg.is_moe_layer(i):
             return layer.mlp(x)
-        if self.backend == "cuda":
-            from .moe import moe_routed, router, shared_expert
-            w = self.moe_weights[i]
-            idx, wt = router(x, w, self.cfg)
-            if self.expert_log is not None:                # diagnostics (eager only): experts per layer
-                self.expert_log.append((i, idx))
-            shared = shared_expert(x, w) if w.shared is not None else None
-            if self.group is None:
-                return moe_routed(x, idx, wt, w, shared)
-            part = moe_routed(x, idx, wt, w, None, torch.float32)                  # fp32 partial [T, D]
-            torch.distributed.all_reduce(part, group=self.group)
-            if shared is not None:
-                part += shared.float()
-            return part.to(x.dtype)
         moe = layer.mlp
         idx, w = moe.gate(x)
         y = torch.zeros_like(x)
@@ -550,9 +605,9 @@ class Engine:
                           b.ctx_v[i:i + 1])
         o = draft_attention(q.view(n, blk, at.heads, at.head_dim), b.ctx_k[i], b.ctx_v[i], start, blk, bucket,
                             at.head_dim ** -0.5)
-        h = torch.addmm(h, o, at.o_proj.weight.t())
+        h = self._add_mm(h, o, at.o_proj.weight, True)          # h is this draft's own (the embedding output)
         gu = F.linear(self.ops.norm(layer.post_attention_layernorm, h), self._dgu[i])
-        return torch.addmm(h, silu_mul(gu), layer.mlp.down_proj.weight.t())
+        return self._add_mm(h, silu_mul(gu), layer.mlp.down_proj.weight, True)
 
     def _draft_layer_torch(self, i, layer, h, cos, sin, slots, start, n: int, blk: int, bucket: int):
         """Drafter layer i on the torch backend (the reference's steps) over the static context buffers: the
