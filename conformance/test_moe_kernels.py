@@ -285,7 +285,7 @@ def rel_err(a, b) -> float:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 7, 16, 17, 32, 33, 65, 129])
+@pytest.mark.parametrize("tokens", [1, 7, 16, 17, 32, 33, 65, 129, 257, 300])
 @pytest.mark.parametrize("experts,hidden", [(384, 7168), (16, 256), (9, 36)])
 def test_router_logits_policy(tokens, experts, hidden):
     """moe_router_gemm (<= ROUTER_KERNEL_MAX_T tokens, D % 32 == 0) and cuBLAS (otherwise) against float64: error at
@@ -308,6 +308,23 @@ def test_router_logits_policy(tokens, experts, hidden):
     bias = torch.zeros(experts, device="cuda")
     a, b = moe_k.route(moe_k.router_parts(x, w), bias, cfg), moe_k.route(got, bias, cfg)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts,hidden", [(384, 7168), (16, 256)])
+def test_router_kernel_rows_independent_of_batch(experts, hidden):
+    """moe_router_gemm forced at any T (its token passes spread over grid z): each row's parts are the bits of
+    that row alone (T = 1), and the path argument picks what it says (cuBLAS: one part)."""
+    g = torch.Generator().manual_seed(experts + hidden)
+    x = torch.randn(300, hidden, generator=g).to(torch.bfloat16).cuda()
+    w = (torch.randn(experts, hidden, generator=g) * hidden ** -0.5).cuda()
+    full = moe_k.router_parts(x, w, path="kernel")
+    assert full.shape == (moe_k.ROUTER_RK, 300, experts)
+    for t in (0, 15, 16, 17, 170, 299):
+        assert torch.equal(full[:, t], moe_k.router_parts(x[t:t + 1], w, path="kernel")[:, 0]), f"row {t}"
+    assert moe_k.router_parts(x, w, path="cublas").shape == (1, 300, experts)
+    with pytest.raises(ValueError, match="cannot take"):
+        moe_k.router_parts(x[:, :hidden - 4].contiguous(), w[:, :hidden - 4].contiguous(), path="kernel")
 
 
 @pytest.mark.gpu

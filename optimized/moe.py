@@ -315,11 +315,13 @@ def route(router_logits: torch.Tensor, bias: torch.Tensor, cfg):
 
 
 # The router GEMM for up to this many tokens runs moe_router_gemm (fp32 SIMT, ROUTER_RK column-slice partials that
-# `route` adds in order); above, cuBLAS's fp32 GEMM. H200, K2.6 widths (bench/results/engine_run11): T = 1 / 17 / 65
-# took 5.0 / 16.2 / 50 us in the kernel (one pass per 16 tokens) against cuBLAS's 7.5 / 20.7 / 22 us, so the kernel
-# serves up to two passes.
-ROUTER_KERNEL_MAX_T = 32
+# `route` adds in order); above, cuBLAS's fp32 GEMM. H200, K2.6 widths (bench/results/engine_run11): with its token
+# passes one after another in each block, T = 1 / 17 / 65 took 5.0 / 16.2 / 50 us in the kernel against cuBLAS's
+# 7.5 / 20.7 / 22 us, so the limit was 32. Every pass now has its own blocks (grid z): bench/router_ab.py measures
+# the two paths per shape.
+ROUTER_KERNEL_MAX_T = 256
 ROUTER_RK, ROUTER_EG = 8, 16          # column slices, experts per block (ROUTER_RK / ROUTER_EG in the .cu)
+ROUTER_TT = 16                        # tokens per pass; each pass has its own blocks (grid z)
 ROUTER_CMAX = 8                       # float4 columns per lane and slice: D <= 32768
 
 
@@ -333,19 +335,26 @@ def router_path(x: torch.Tensor, weight: torch.Tensor) -> str:
     return "kernel" if ok and 1 <= t <= ROUTER_KERNEL_MAX_T else "cublas"
 
 
-def router_parts(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def router_parts(x: torch.Tensor, weight: torch.Tensor, path: Optional[str] = None) -> torch.Tensor:
     """The router logits x.float() @ weight.T as fp32 parts [P, T, E] whose in-order sum they are: P = ROUTER_RK
-    column slices (moe_router_gemm) or P = 1 (cuBLAS), by `router_path`. Deterministic on either path."""
+    column slices (moe_router_gemm) or P = 1 (cuBLAS), by `router_path` (or `path`, to compare the two: "kernel"
+    raises where router_path would not allow it, whatever T). Deterministic on either path."""
     _need_cuda("router", x, weight)
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"router: x [T, D] and weight [E, D] expected, got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
-    if router_path(x, weight) == "cublas":
+    if path not in (None, "kernel", "cublas"):
+        raise ValueError(f"router: path must be None, 'kernel' or 'cublas', got {path!r}")
+    if path == "kernel" and x.shape[0] and router_path(x[:1], weight) != "kernel":
+        raise ValueError(f"router: moe_router_gemm cannot take x {x.dtype} {tuple(x.shape)} / weight "
+                         f"{weight.dtype} {tuple(weight.shape)} (needs bf16 x, fp32 W, D % 32 == 0, D <= 32768, "
+                         "aligned contiguous rows)")
+    if (path or router_path(x, weight)) == "cublas" or x.shape[0] == 0:
         return F.linear(x.float(), weight).unsqueeze(0)
     t, d = x.shape
     e = weight.shape[0]
     parts = torch.empty(ROUTER_RK, t, e, dtype=torch.float32, device=x.device)
-    _launch("moe_router_gemm", x.device, (-(-e // ROUTER_EG), ROUTER_RK), (256,),
+    _launch("moe_router_gemm", x.device, (-(-e // ROUTER_EG), ROUTER_RK, -(-t // ROUTER_TT)), (256,),
             (_p(x), _p(weight), np.int32(t), np.int32(e), np.int32(d), _p(parts)))
     return parts
 

@@ -218,11 +218,14 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(
 // moe_router_gemm: the reference router's x.float() @ W.float().T (x [T, D] bf16 -> fp32 exactly, W [E, D] fp32,
 // fp32 products and sums) as RK = 8 partial sums over column slices, partial [RK, T, E] fp32, which moe_route adds
 // in order 0..RK-1: a fixed summation order (the same bits every run), no atomics.
-// Grid (E / 16, RK) blocks of 256 threads. Block (g, k): experts 16g .. 16g+15 (2 per warp), the k-th D/RK columns
-// (D % 32 == 0, D / RK <= 4 * 32 * ROUTER_CMAX). Thread (warp, lane): float4 columns lane + 32c of the slice, c <
-// ROUTER_CMAX, for its 2 experts: loaded once, all at once, and kept in registers for every token. Tokens in
-// passes of 16: the block stages their x slice in shared memory (every load in flight together), then each thread
-// adds its columns' products per (expert, token) in column order, and a butterfly adds the lanes.
+// Grid (E / 16, RK, passes) blocks of 256 threads. Block (g, k, z): experts 16g .. 16g+15 (2 per warp), the k-th
+// D/RK columns (D % 32 == 0, D / RK <= 4 * 32 * ROUTER_CMAX), tokens in passes of 16: passes z, z + gridDim.z, ...
+// (the launcher gives every pass its own block; a pass's tokens wait on one x load and 16 butterflies, which at
+// the trained pair's D = 256 cost as much as the whole T = 1 call). Thread (warp, lane): float4 columns lane + 32c
+// of the slice, c < ROUTER_CMAX, for its 2 experts: loaded once, all at once, and kept in registers for the
+// block's tokens. A pass stages its x slice in shared memory (every load in flight together), then each thread
+// adds its columns' products per (expert, token) in column order, and a butterfly adds the lanes. Every output
+// is the same sum in the same order whatever the grid.
 // Memory: W 11 MB once (2.6 us at 4.24 TB/s), x's slices cross L2 E/16 times (T = 65: 22 MB). FMAs: T x E x D
 // (T = 65: ~6 us of the GPU's fp32 rate). cuBLAS took 7.5 / 20.7 / 22 us at T = 1 / 17 / 65
 // (bench/results/engine_run11); a first version of this kernel that waited for its W loads column step by column
@@ -250,7 +253,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_router_gemm(
                     ? __ldg(reinterpret_cast<const float4*>(W + (size_t)(e0 + e) * D) + q0 + col)
                     : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-  for (int t0 = 0; t0 < T; t0 += ROUTER_TT) {
+  for (int t0 = blockIdx.z * ROUTER_TT; t0 < T; t0 += gridDim.z * ROUTER_TT) {
     const int nt = min(ROUTER_TT, T - t0);
     __syncthreads();                                          // the previous pass no longer reads xs
     for (int i = threadIdx.x; i < nt * slice4; i += blockDim.x) {
