@@ -331,6 +331,15 @@ def test_sim_compile_follow_commit(sim, kind, depth, vocab, budget):
         check_follow_and_commit(sim, tree, seed)
     by_tensor = sim.compile_tree(tree, torch.tensor([9]), 4)     # the engine's form: the root on the device
     assert torch.equal(by_tensor.ids, sim.compile_tree(tree, 9, 4).ids)
+    rows, words = tree.n + 1, (tree.n + 32) // 32                 # the engine's static buffer: bits in place
+    buf = torch.full((rows + 3, words), -7, dtype=torch.int32)
+    into = sim.compile_tree(tree, 9, 4, bits_out=buf[1:rows + 1])
+    assert into.visibility_bits.data_ptr() == buf[1].data_ptr()
+    assert torch.equal(buf[1:rows + 1], by_tensor.visibility_bits)
+    assert (buf[0] == -7).all() and (buf[rows + 1:] == -7).all()  # nothing written outside the rows
+    for bad in (buf[:rows + 1], buf[:rows].long()):                # a row too many; int64
+        with pytest.raises(ValueError, match="bits_out must be a contiguous int32"):
+            sim.compile_tree(tree, 9, 4, bits_out=bad)
 
 
 @sim_only

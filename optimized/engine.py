@@ -142,9 +142,10 @@ class _TorchOps:
     def build_tree(self, logits: torch.Tensor, budget: int) -> Tree:
         return torch_build_tree(logits, budget)
 
-    def compile(self, tree: Tree, root: torch.Tensor):
+    def compile(self, tree: Tree, root: torch.Tensor, bits_out: torch.Tensor):
         ct = torch_compile_tree(tree, int(root.reshape(-1)[0]), 0)
-        return ct.ids, ct.depths, ct.parents, pack_visibility(ct.visibility)
+        bits_out.copy_(pack_visibility(ct.visibility))
+        return ct.ids, ct.depths, ct.parents
 
     def follow(self, ids, parents, choices):
         acc, bonus = torch_follow(CompiledTree(ids, ids, parents, ids, None, 0), choices)
@@ -188,9 +189,9 @@ class _CudaOps:
     def build_tree(self, logits: torch.Tensor, budget: int) -> Tree:
         return self._tree.build_tree(logits.float(), budget, config=self.tree_config)
 
-    def compile(self, tree: Tree, root: torch.Tensor):
-        ct = self._tree.compile_tree(tree, root, 0)
-        return ct.ids, ct.depths, ct.parents, ct.visibility_bits
+    def compile(self, tree: Tree, root: torch.Tensor, bits_out: torch.Tensor):
+        ct = self._tree.compile_tree(tree, root, 0, bits_out=bits_out)
+        return ct.ids, ct.depths, ct.parents
 
     def follow(self, ids, parents, choices):
         acc = self._tree.follow_verified_tree(CompiledTree(ids, ids, parents, ids, None, 0), choices)
@@ -426,6 +427,7 @@ class Engine:
         self._draft_ids = None if self.drafter is None else torch.full(
             (r, self.drafter.block_size), self.drafter.mask_token_id, **long)      # column 0: each round's bonus
         self._causal: dict = {}                   # rows -> packed causal visibility [1, rows, W] (prefill)
+        self._statics: dict = {}                  # _static's tensors
 
     # ---- the target forward over T rows per request at slots start.. (prefill chunks and verify alike) -------
 
@@ -648,18 +650,26 @@ class Engine:
         n, mode, budget, depth, bucket = key
         b, dev = self.buf, self.device
         if mode == "ar":
-            r.ids, r.depths = b.bonus[:n, None], torch.zeros(n, 1, dtype=torch.long, device=dev)
-            r.parents = torch.full((n, 1), -1, dtype=torch.long, device=dev)
-            r.bits = torch.ones(n, 4, 1, dtype=torch.int32, device=dev)
+            r.ids = b.bonus[:n, None]
+            r.depths, r.parents, r.bits = self._static(("ar", n), lambda: (
+                torch.zeros(n, 1, dtype=torch.long, device=dev), torch.full((n, 1), -1, dtype=torch.long, device=dev),
+                torch.ones(n, 4, 1, dtype=torch.int32, device=dev)))
             return
-        parts = []
-        for j in range(n):
-            tree = chain_tree(r.logits_d[j]) if mode == "chain" else self.ops.build_tree(r.logits_d[j], budget)
-            parts.append(self.ops.compile(tree, b.bonus[j:j + 1]))
+        trees = [chain_tree(r.logits_d[j]) if mode == "chain" else self.ops.build_tree(r.logits_d[j], budget)
+                 for j in range(n)]
+        t = trees[0].n + 1
+        w = -(-t // 32)
+        # the packed visibility: compile writes each request's t rows in place; the pad rows stay zero
+        r.bits = self._static(("bits", n, t), lambda: torch.zeros(n, _pad4(t), w, dtype=torch.int32, device=dev))
+        parts = [self.ops.compile(tree, b.bonus[j:j + 1], r.bits[j, :t]) for j, tree in enumerate(trees)]
         r.ids, r.depths, r.parents = (_stack([p[k] for p in parts]) for k in range(3))
-        t, w = parts[0][3].shape
-        r.bits = torch.zeros(n, _pad4(t), w, dtype=torch.int32, device=dev)
-        r.bits[:, :t] = _stack([p[3] for p in parts])
+
+    def _static(self, key, make: Callable):
+        """A round's constant tensors, made once per key (first in the eager warm-up, before any capture), so a
+        graph replay launches nothing to fill them."""
+        if key not in self._statics:
+            self._statics[key] = make()
+        return self._statics[key]
 
     def _stage_verify(self, r: _Round, key):
         n, mode = key[0], key[1]

@@ -222,15 +222,21 @@ def build_tree(draft_logits: torch.Tensor, budget: int, *, check_values: bool = 
     return Tree(tokens=tokens[:n], depths=depths[:n], parents=parents[:n], scores=scores[:n])
 
 
-def compile_tree(tree: Tree, root_token: Union[int, torch.Tensor], start: int) -> PackedCompiledTree:
+def compile_tree(tree: Tree, root_token: Union[int, torch.Tensor], start: int, *,
+                 bits_out: Optional[torch.Tensor] = None) -> PackedCompiledTree:
     """reference.tree.compile_tree on the GPU, plus the packed visibility. root_token: int or a 1-element
-    device tensor (no host sync)."""
+    device tensor (no host sync). bits_out: an int32 [n+1, W] contiguous tensor on the device that receives the
+    packed visibility (returned as visibility_bits), e.g. rows of a static buffer; default: a new one."""
     if isinstance(start, bool) or not isinstance(start, int) or start < 0:
         raise ValueError(f"start must be a non-negative int, got {start!r}")
     _require(tree.tokens)
     n = tree.n
     device = tree.tokens.device
     rows, words = n + 1, (n + 32) // 32
+    if bits_out is not None and (bits_out.dtype != torch.int32 or tuple(bits_out.shape) != (rows, words)
+                                 or not bits_out.is_contiguous() or bits_out.device != device):
+        raise ValueError(f"bits_out must be a contiguous int32 [{rows}, {words}] tensor on {device}, got "
+                         f"{bits_out.dtype} {tuple(bits_out.shape)} on {bits_out.device}")
     if isinstance(root_token, torch.Tensor):      # a device tensor: read by the kernel (no host sync)
         root, root_val = root_token.reshape(1).to(device=device, dtype=torch.long), -1
     else:
@@ -243,7 +249,7 @@ def compile_tree(tree: Tree, root_token: Union[int, torch.Tensor], start: int) -
     parents = torch.empty(rows, dtype=torch.long, device=device)
     depths = torch.empty(rows, dtype=torch.long, device=device)
     vis = torch.empty(rows, rows, dtype=torch.bool, device=device)
-    bits = torch.empty(rows, words, dtype=torch.int32, device=device)
+    bits = torch.empty(rows, words, dtype=torch.int32, device=device) if bits_out is None else bits_out
     threads = 128
     blocks = -(-rows * words // threads)
     compile_rows[blocks, threads, _stream(device)](
