@@ -314,25 +314,30 @@ def route(router_logits: torch.Tensor, bias: torch.Tensor, cfg):
     return idx, w
 
 
-# The router GEMM for up to this many tokens runs moe_router_gemm (fp32 SIMT, ROUTER_RK column-slice partials that
-# `route` adds in order); above, cuBLAS's fp32 GEMM. H200, K2.6 widths (bench/results/engine_run11): with its token
-# passes one after another in each block, T = 1 / 17 / 65 took 5.0 / 16.2 / 50 us in the kernel against cuBLAS's
-# 7.5 / 20.7 / 22 us, so the limit was 32. Every pass now has its own blocks (grid z): bench/router_ab.py measures
-# the two paths per shape.
-ROUTER_KERNEL_MAX_T = 256
+# Which router GEMM runs: moe_router_gemm (fp32 SIMT, ROUTER_RK column-slice partials that `route` adds in order,
+# every 16-token pass in its own blocks) or cuBLAS's fp32 GEMM (x.float(), then F.linear). bench/router_ab.py,
+# H100, us per call at T = 1 / 17 / 33 / 65 / 129 / 257 (bench/results/engine_run14/router_ab.md):
+#   K2.6 (E 384, D 7168): kernel 3.7 / 15.4 / 26.6 / 42.1 / 82.3 / 161 against cuBLAS 8.6 / 21.0 / 34.9 / 31.5 / 41.7 / 64
+#   trained pair (E 16, D 256): kernel 2.2 / 6.0 / 6.0 / 6.0 / 6.1 / 6.2 against cuBLAS 4.0 / 9.2 / 9.2 / 9.3 / 9.7 / 9.7
+# So the kernel serves up to ROUTER_KERNEL_MAX_T tokens (between the measured 33, faster, and 65, slower), and any
+# T for router weights of at most ROUTER_SMALL_W entries, whose passes cost no more than the launch.
+ROUTER_KERNEL_MAX_T = 48
+ROUTER_SMALL_W = 1 << 18
 ROUTER_RK, ROUTER_EG = 8, 16          # column slices, experts per block (ROUTER_RK / ROUTER_EG in the .cu)
 ROUTER_TT = 16                        # tokens per pass; each pass has its own blocks (grid z)
 ROUTER_CMAX = 8                       # float4 columns per lane and slice: D <= 32768
 
 
 def router_path(x: torch.Tensor, weight: torch.Tensor) -> str:
-    """Which router GEMM a call runs: "kernel" (moe_router_gemm) for bf16 x of <= ROUTER_KERNEL_MAX_T rows with
-    D % 32 == 0, D <= 32768 and aligned rows, else "cublas" (F.linear in fp32)."""
+    """Which router GEMM a call runs: "kernel" (moe_router_gemm) for bf16 x of <= ROUTER_KERNEL_MAX_T rows (any
+    rows when the weight has <= ROUTER_SMALL_W entries) with D % 32 == 0, D <= 32768 and aligned rows, else
+    "cublas" (F.linear in fp32)."""
     t, d = x.shape
     ok = (x.dtype == torch.bfloat16 and weight.dtype == torch.float32 and d % (4 * ROUTER_RK) == 0
           and d <= 4 * 32 * ROUTER_CMAX * ROUTER_RK
           and x.is_contiguous() and weight.is_contiguous() and x.data_ptr() % 8 == 0 and weight.data_ptr() % 16 == 0)
-    return "kernel" if ok and 1 <= t <= ROUTER_KERNEL_MAX_T else "cublas"
+    small = weight.numel() <= ROUTER_SMALL_W
+    return "kernel" if ok and t >= 1 and (t <= ROUTER_KERNEL_MAX_T or small) else "cublas"
 
 
 def router_parts(x: torch.Tensor, weight: torch.Tensor, path: Optional[str] = None) -> torch.Tensor:
