@@ -9,36 +9,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
+import sys
 
-import torch
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, "..")]
+sys.path.append(os.path.join(HERE, "..", "conformance"))      # mla_cases
 
-from optimized import moe as moe_k
+import torch  # noqa: E402
+
+import mla_cases as mc  # noqa: E402
+from optimized import moe as moe_k  # noqa: E402
 
 SHAPES = {"K2.6 (E 384, D 7168)": (384, 7168), "trained pair (E 16, D 256)": (16, 256)}
 TOKENS = (1, 17, 33, 65, 129, 257)
 
 
-def time_us(fn, calls: int = 20, reps: int = 15) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / calls)
-    return statistics.median(times)
+def time_us(fn) -> float:
+    """us per call: 20 calls captured in one CUDA graph, median of 15 replays (conformance/mla_cases.time_graph)."""
+    return mc.time_graph([fn] * 20, reps=15) * 1e6
 
 
 def main() -> None:
