@@ -43,6 +43,9 @@ def wide_rows(rows: int, d: int, extra: int, seed: int, scale: float, device="cu
 def test_cpu_tensors_raise():
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="CUDA tensor"):
+        nr.latent_rows(x, torch.ones(48, dtype=torch.bfloat16), 1e-6, torch.zeros(4, 8), torch.zeros(4, 8), True,
+                       torch.arange(4), torch.zeros(4, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="CUDA tensor"):
         nr.rms_norm(x, torch.ones(64, dtype=torch.bfloat16), 1e-6)
     with pytest.raises(ValueError, match="CUDA tensor"):
         nr.rope(x, torch.zeros(4, 32), torch.zeros(4, 32))
@@ -142,6 +145,31 @@ def test_rope_bit_exact(t, heads, rot, interleave, split, seed, start):
 
 
 @gpu
+@given(t=st.integers(1, 40), shape=st.sampled_from([(512, 64), (64, 16), (16, 8), (1024, 32)]),
+       interleave=st.booleans(), q_before=st.sampled_from([0, 24]), seed=st.integers(0, 2**16),
+       start=st.integers(0, 5000))
+def test_latent_rows_bit_exact(t, shape, interleave, q_before, seed, start):
+    """latent_rows == the engine's four launches (rms_norm of ckv, rope of k_pe, cat, index_copy) bit for bit,
+    from a kv view inside a wider projection output (q_before columns ahead, like a fused q|kv GEMM), into
+    permuted slots of a cache whose other rows stay untouched; and the RoPE part equals the reference's."""
+    c, r = shape
+    g = torch.Generator().manual_seed(seed)
+    full = (3 * torch.randn(t, q_before + c + r, generator=g)).to(torch.bfloat16).cuda()
+    kv = full[:, q_before:]
+    m = norm_module(c, seed)
+    w = m.weight.detach().to(torch.bfloat16).cuda()
+    cos, sin = rope_cos_sin(rope_inv_freq(r, 50000.0).cuda(), torch.arange(start, start + t, device="cuda"), 1.2)
+    slots = torch.randperm(t + 7, generator=g)[:t].cuda()
+    cache = torch.full((t + 7, c + r), 7.0, dtype=torch.bfloat16, device="cuda")
+    nr.latent_rows(kv, w, m.eps, cos, sin, interleave, slots, cache)
+    want = torch.full_like(cache, 7.0)
+    want.index_copy_(0, slots, torch.cat([nr.rms_norm(kv[:, :c], w, m.eps),
+                                          nr.rope(kv[:, c:], cos, sin, interleave)], -1))
+    assert torch.equal(cache, want), f"{(cache != want).sum().item()} values differ (C={c}, R={r})"
+    assert torch.equal(cache[slots, c:], apply_rope(kv[:, c:], cos, sin, interleave))
+
+
+@gpu
 def test_gpu_bad_inputs_raise():
     x = torch.zeros(4, 64, dtype=torch.bfloat16, device="cuda")
     w = torch.ones(64, dtype=torch.bfloat16, device="cuda")
@@ -157,3 +185,11 @@ def test_gpu_bad_inputs_raise():
         nr.rope(x, torch.zeros(4, 16, device="cuda"), torch.zeros(4, 32, device="cuda"))
     with pytest.raises(ValueError, match="even"):
         nr.rope(x[:, :63], torch.zeros(4, 31, device="cuda"), torch.zeros(4, 31, device="cuda"))
+    cs, slots, cache = torch.zeros(4, 8, device="cuda"), torch.arange(4, device="cuda"), torch.zeros_like(x)
+    nr.latent_rows(x, w[:48], 1e-6, cs, cs, True, slots, cache)          # C = 48, R = 16: fine
+    for args, match in (((x, w[:44], 1e-6, cs, cs, True, slots, cache), "C % 8"),
+                        ((x, w[:48], 1e-6, cs[:, :4], cs, True, slots, cache), "cos"),
+                        ((x, w[:48], 1e-6, cs, cs, True, slots.int(), cache), "slots"),
+                        ((x, w[:48], 1e-6, cs, cs, True, slots, cache[:, :60]), "latent")):
+        with pytest.raises(ValueError, match=match):
+            nr.latent_rows(*args)

@@ -68,6 +68,7 @@ from reference.tree import CompiledTree, Tree, build_tree as torch_build_tree, c
 
 from .draft_ops import attention_kernel, draft_attention, head_norm_rope, rows_rope, silu_mul, write_keys_values
 from .greedy import argmax_rows
+from .norm_rope import latent_rows
 from .mla_attention import MAX_T, pack_visibility, unpack_visibility
 
 __all__ = ["Engine", "AutoBudget", "GraphCaptureError", "RoundTiming", "BACKENDS", "MIN_BUCKET"]
@@ -405,6 +406,10 @@ class Engine:
             self._w_uk.append(w[:, :n].contiguous())
             self._w_uv.append(w[:, n:].contiguous())
         self._rope_amp = cfg.rope_scaling.amplitude if cfg.rope_scaling is not None else 1.0
+        # the cuda backend writes each layer's latent rows in one launch (norm_rope.latent_rows) where its shape
+        # allows (C % 8 == 0, C <= 1024, bf16 norm weights); else the four launches of the reference's steps
+        self._latent_rows = self.backend == "cuda" and cfg.kv_lora_rank % 8 == 0 and cfg.kv_lora_rank <= 1024 \
+            and all(layer.self_attn.kv_a_layernorm.weight.dtype == torch.bfloat16 for layer in self.target.model.layers)
 
     def _alloc(self):
         cfg, dev, r = self.cfg, self.device, self.max_requests
@@ -446,9 +451,8 @@ class Engine:
         feats, own = {}, True                    # own: no one else holds h, so a residual add may write into it
         for i, layer in enumerate(self.target.model.layers):
             at = layer.self_attn
-            q_nope, q_pe, rows = self._project(at, self.ops.norm(layer.input_layernorm, h), cos, sin)
             flat = b.latent[i].view(-1, b.latent.shape[-1])                                  # [R*cap, C+R]
-            flat.index_copy_(0, slots, rows)
+            q_nope, q_pe = self._project(at, self.ops.norm(layer.input_layernorm, h), cos, sin, flat, slots)
             q_lat = torch.einsum("thn,hnc->thc", q_nope, self._w_uk[i]).contiguous()
             q_pe = q_pe.contiguous()
             o_lat = torch.empty_like(q_lat)
@@ -469,16 +473,24 @@ class Engine:
         logits = self.target.lm_head(self.ops.norm(self.target.model.norm, last)).view(n, -1, self.cfg.vocab_size)
         return logits, (torch.cat([feats[i] for i in self.layer_ids], -1).view(n, t, -1) if want_feats else None)
 
-    def _project(self, at, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """reference.target.Attention.project through the backend's norm and RoPE."""
+    def _project(self, at, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, flat: torch.Tensor,
+                 slots: torch.Tensor):
+        """reference.target.Attention.project through the backend's norm and RoPE: returns (q_nope, q_pe) and
+        writes the latent rows at flat[slots] (cuda backend: one latent_rows launch for norm, RoPE, cat, write)."""
         cfg, norm, rope = self.cfg, self.ops.norm, self.ops.rope
         q = at.q_proj(x) if cfg.q_lora_rank is None else at.q_b_proj(norm(at.q_a_layernorm, at.q_a_proj(x)))
         q = q.view(x.shape[0], cfg.num_attention_heads, cfg.qk_head_dim)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
-        ckv, k_pe = at.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
+        kv = at.kv_a_proj_with_mqa(x)
         q_pe = rope(q_pe, cos, sin, cfg.rope_interleave)
-        k_pe = rope(k_pe, cos, sin, cfg.rope_interleave)
-        return q_nope, q_pe, torch.cat([norm(at.kv_a_layernorm, ckv), k_pe], -1)
+        if self._latent_rows:
+            latent_rows(kv, at.kv_a_layernorm.weight, at.kv_a_layernorm.eps, cos, sin, cfg.rope_interleave, slots,
+                        flat)
+        else:
+            ckv, k_pe = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
+            k_pe = rope(k_pe, cos, sin, cfg.rope_interleave)
+            flat.index_copy_(0, slots, torch.cat([norm(at.kv_a_layernorm, ckv), k_pe], -1))
+        return q_nope, q_pe
 
     def _keys_values(self, at, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """reference.drafter.DraftAttention.keys_values through the backend's norm and RoPE (torch backend)."""

@@ -8,6 +8,8 @@ rounding boundary (tested against the tolerance policy).
 
     rms_norm(x [..., D], weight [D], eps)             -> new contiguous [..., D]
     rope(x [T, ..., R], cos [T, R/2], sin [T, R/2], interleave) -> new contiguous [T, ..., R]
+    latent_rows(kv [T, C+R], weight [C], eps, cos, sin, interleave, slots [T], latent [S, C+R])
+        -> latent[slots[t]] = cat(rms_norm(kv[t, :C]), rope(kv[t, C:])) in place (the target's cache rows)
 
 Inputs may be views (a split of a projection's output) as long as the last dim is contiguous and the leading
 dims are laid out with one uniform row stride, or (rms_norm) as [..., heads, D] rows with one stride between
@@ -26,7 +28,7 @@ import torch
 from .cuda_launch import build_kernels, launch, ptr
 
 _SOURCE = Path(__file__).parent / "kernels" / "norm_rope.cu"
-KERNELS = ("rms_norm_bf16", "rms_norm_bf16_v8", "rope_bf16")
+KERNELS = ("rms_norm_bf16", "rms_norm_bf16_v8", "rope_bf16", "latent_rows_bf16")
 
 
 @functools.lru_cache(maxsize=None)
@@ -119,3 +121,38 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
            (ptr(x), np.int64(x3.stride(0)), np.int64(x3.stride(1)), np.int32(per_t), np.int32(r),
             np.int32(int(interleave)), ptr(cos), ptr(sin), np.int64(pairs), ptr(out)))
     return out
+
+
+def latent_rows(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                interleave: bool, slots: torch.Tensor, latent: torch.Tensor) -> None:
+    """reference.target.Attention.project's latent rows, cat([kv_a_layernorm(kv[:, :C]), rope(kv[:, C:])]),
+    written at latent[slots[t]] in one launch (the engine's four: norm, rope, cat, index_copy). kv: [T, C+R] bf16
+    rows with a unit last stride (a view of the kv_a projection's output); latent: contiguous [S, C+R]. Bits:
+    the norm equals rms_norm's (C % 8 == 0, C <= 1024: the 16-byte kernel's order), the rotation rope's."""
+    _check("latent_rows", kv)
+    if kv.dim() != 2:
+        raise ValueError(f"latent_rows: kv must be [T, C+R], got shape {tuple(kv.shape)}")
+    t, row = kv.shape
+    c = weight.shape[0] if weight.dim() == 1 else -1
+    r = row - c
+    if weight.dtype != torch.bfloat16 or weight.dim() != 1 or not weight.is_contiguous() or weight.device != kv.device:
+        raise ValueError(f"latent_rows: weight must be contiguous bfloat16 [C] on {kv.device}, got {weight.dtype} "
+                         f"{tuple(weight.shape)} on {weight.device}")
+    if c % 8 or not 0 < c <= 1024 or r <= 0 or r % 2:
+        raise ValueError(f"latent_rows: needs C % 8 == 0, C <= 1024 and an even rotary part, got C = {c}, "
+                         f"R = {r} (use rms_norm and rope)")
+    for name, a in (("cos", cos), ("sin", sin)):
+        if a.dtype != torch.float32 or tuple(a.shape) != (t, r // 2) or not a.is_contiguous() or a.device != kv.device:
+            raise ValueError(f"latent_rows: {name} must be contiguous float32 [{t}, {r // 2}] on {kv.device}, got "
+                             f"{a.dtype} {tuple(a.shape)} on {a.device}")
+    if slots.dtype != torch.long or tuple(slots.shape) != (t,) or not slots.is_contiguous() or slots.device != kv.device:
+        raise ValueError(f"latent_rows: slots must be contiguous int64 [{t}] on {kv.device}, got {slots.dtype} "
+                         f"{tuple(slots.shape)} on {slots.device}")
+    if latent.dtype != torch.bfloat16 or latent.dim() != 2 or latent.shape[1] != row or not latent.is_contiguous() \
+            or latent.device != kv.device:
+        raise ValueError(f"latent_rows: latent must be a contiguous bfloat16 [S, {row}] cache on {kv.device}, got "
+                         f"{latent.dtype} {tuple(latent.shape)} on {latent.device}")
+    if t:
+        launch(_kernels(kv.device.index)["latent_rows_bf16"], kv.device, (t,), (32,),
+               (ptr(kv), np.int64(kv.stride(0)), np.int32(c), np.int32(r), ptr(weight), np.float32(eps),
+                np.int32(int(interleave)), ptr(cos), ptr(sin), ptr(slots), ptr(latent)))

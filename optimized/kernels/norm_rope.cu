@@ -120,3 +120,38 @@ extern "C" __global__ void rope_bf16(const __nv_bfloat16* __restrict__ x, long l
     orow[i1] = __float2bfloat16(r16(x1 * c) - r16(x2 * s));
     orow[i2] = __float2bfloat16(r16(x2 * c) + r16(x1 * s));
 }
+
+// The target's latent row for the cache, in one launch (optimized/norm_rope.py latent_rows): row t of kv [T, C+R]
+// (stride kv_stride elements) -> latent[slots[t]] (rows of C+R) = cat(RMSNorm_w(kv[:C]), RoPE(kv[C:])), i.e.
+// reference Attention.project's `torch.cat([kv_a_layernorm(ckv), k_pe], -1)` then the cache write. One warp per row.
+// The norm repeats rms_norm_bf16_v8's arithmetic at one warp (C % 8 == 0, C <= 1024: lane l sums the squares of
+// elements 8v..8v+7 in order for v = l, l + 32, ..., then the xor butterfly), so its bits equal rms_norm's; the
+// rotation is rope_bf16's (bit-exact against the reference).
+extern "C" __global__ void __launch_bounds__(32) latent_rows_bf16(
+    const __nv_bfloat16* __restrict__ kv, long long kv_stride, int c, int rot, const __nv_bfloat16* __restrict__ w,
+    float eps, int interleave, const float* __restrict__ cosv, const float* __restrict__ sinv,
+    const long long* __restrict__ slots, __nv_bfloat16* __restrict__ latent) {
+    const int t = blockIdx.x, lane = threadIdx.x;
+    const __nv_bfloat16* xr = kv + (long long)t * kv_stride;
+    __nv_bfloat16* orow = latent + slots[t] * (long long)(c + rot);
+    float ss = 0.f;
+    for (int v = lane; 8 * v < c; v += 32) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const float a = __bfloat162float(xr[8 * v + e]);
+            ss += a * a;
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float r = rsqrtf(ss / (float)c + eps);
+    for (int i = lane; i < c; i += 32)
+        orow[i] = __float2bfloat16(__bfloat162float(w[i]) * r16(__bfloat162float(xr[i]) * r));
+    const int half = rot >> 1;
+    for (int i = lane; i < half; i += 32) {
+        const int i1 = c + (interleave ? 2 * i : i), i2 = c + (interleave ? 2 * i + 1 : i + half);
+        const float x1 = __bfloat162float(xr[i1]), x2 = __bfloat162float(xr[i2]);
+        const float cs = r16(cosv[t * half + i]), sn = r16(sinv[t * half + i]);
+        orow[i1] = __float2bfloat16(r16(x1 * cs) - r16(x2 * sn));
+        orow[i2] = __float2bfloat16(r16(x2 * cs) + r16(x1 * sn));
+    }
+}
