@@ -406,6 +406,19 @@ class Engine:
             self._w_uk.append(w[:, :n].contiguous())
             self._w_uv.append(w[:, n:].contiguous())
         self._rope_amp = cfg.rope_scaling.amplitude if cfg.rope_scaling is not None else 1.0
+        # cuda backend: each layer's first projections of x (q_proj, or q_a_proj, and kv_a_proj_with_mqa) as one
+        # [Q + C + R, D] weight; the modules' weights become views of it (no second copy)
+        self._qkv_a: dict = {}
+        for layer in self.target.model.layers if self.backend == "cuda" else ():
+            at = layer.self_attn
+            first = at.q_proj if cfg.q_lora_rank is None else at.q_a_proj
+            lins = (first, at.kv_a_proj_with_mqa)
+            if not all(type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16 for m in lins):
+                continue
+            w = torch.cat([m.weight for m in lins]).detach()
+            q = first.weight.shape[0]
+            first.weight.data, at.kv_a_proj_with_mqa.weight.data = w[:q], w[q:]
+            self._qkv_a[at] = (w, q)
         # the cuda backend writes each layer's latent rows in one launch (norm_rope.latent_rows) where its shape
         # allows (C % 8 == 0, C <= 1024, bf16 norm weights); else the four launches of the reference's steps
         self._latent_rows = self.backend == "cuda" and cfg.kv_lora_rank % 8 == 0 and cfg.kv_lora_rank <= 1024 \
@@ -478,10 +491,14 @@ class Engine:
         """reference.target.Attention.project through the backend's norm and RoPE: returns (q_nope, q_pe) and
         writes the latent rows at flat[slots] (cuda backend: one latent_rows launch for norm, RoPE, cat, write)."""
         cfg, norm, rope = self.cfg, self.ops.norm, self.ops.rope
-        q = at.q_proj(x) if cfg.q_lora_rank is None else at.q_b_proj(norm(at.q_a_layernorm, at.q_a_proj(x)))
+        if at in self._qkv_a:              # q (or q_a) and kv_a as one GEMM; both parts are views of its output
+            w, q_rows = self._qkv_a[at]
+            qa, kv = F.linear(x, w).split([q_rows, w.shape[0] - q_rows], -1)
+        else:
+            qa, kv = (at.q_proj if cfg.q_lora_rank is None else at.q_a_proj)(x), at.kv_a_proj_with_mqa(x)
+        q = qa if cfg.q_lora_rank is None else at.q_b_proj(norm(at.q_a_layernorm, qa))
         q = q.view(x.shape[0], cfg.num_attention_heads, cfg.qk_head_dim)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
-        kv = at.kv_a_proj_with_mqa(x)
         q_pe = rope(q_pe, cos, sin, cfg.rope_interleave)
         if self._latent_rows:
             latent_rows(kv, at.kv_a_layernorm.weight, at.kv_a_layernorm.eps, cos, sin, cfg.rope_interleave, slots,
