@@ -73,7 +73,7 @@ def test_rms_norm_policy(rows, d, view, heads, scale, seed):
     path = nr.norm_path(x, x.stride(-2), w)
     # the 16-byte kernel exactly where everything is 16-byte aligned (a view at column offset 5 is not; d = 36 is not)
     assert path == ("v8" if d % 8 == 0 and not view else "generic")
-    assert x.is_contiguous() != view
+    assert (x.stride(-2) != d) == view          # a column view (rows of d + 8); not is_contiguous(): one row is
     out = nr.rms_norm(x, w, m.eps)
     assert out.shape == x.shape and out.is_contiguous() and out.dtype == torch.bfloat16
     ref64 = m.double()(x.double().cpu())
