@@ -317,8 +317,8 @@ def route(router_logits: torch.Tensor, bias: torch.Tensor, cfg):
 # Which router GEMM runs: moe_router_gemm (fp32 SIMT, ROUTER_RK column-slice partials that `route` adds in order,
 # every 16-token pass in its own blocks) or cuBLAS's fp32 GEMM (x.float(), then F.linear). bench/router_ab.py,
 # H100, us per call at T = 1 / 17 / 33 / 65 / 129 / 257 (bench/results/engine_run14/router_ab.md):
-#   K2.6 (E 384, D 7168): kernel 3.7 / 15.4 / 26.6 / 42.1 / 82.3 / 161 against cuBLAS 8.6 / 21.0 / 34.9 / 31.5 / 41.7 / 64
-#   trained pair (E 16, D 256): kernel 2.2 / 6.0 / 6.0 / 6.0 / 6.1 / 6.2 against cuBLAS 4.0 / 9.2 / 9.2 / 9.3 / 9.7 / 9.7
+#   K2.6 (E 384, D 7168): kernel 3.7 / 15.4 / 26.6 / 42.1 / 82.3 / 161, cuBLAS 8.6 / 21.0 / 34.9 / 31.5 / 41.7 / 64
+#   trained pair (E 16, D 256): kernel 2.2 / 6.0 / 6.0 / 6.0 / 6.1 / 6.2, cuBLAS 4.0 / 9.2 / 9.2 / 9.3 / 9.7 / 9.7
 # So the kernel serves up to ROUTER_KERNEL_MAX_T tokens (between the measured 33, faster, and 65, slower), and any
 # T for router weights of at most ROUTER_SMALL_W entries, whose passes cost no more than the launch.
 ROUTER_KERNEL_MAX_T = 48

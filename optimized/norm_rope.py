@@ -145,7 +145,8 @@ def latent_rows(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.T
         if a.dtype != torch.float32 or tuple(a.shape) != (t, r // 2) or not a.is_contiguous() or a.device != kv.device:
             raise ValueError(f"latent_rows: {name} must be contiguous float32 [{t}, {r // 2}] on {kv.device}, got "
                              f"{a.dtype} {tuple(a.shape)} on {a.device}")
-    if slots.dtype != torch.long or tuple(slots.shape) != (t,) or not slots.is_contiguous() or slots.device != kv.device:
+    if slots.dtype != torch.long or tuple(slots.shape) != (t,) or not slots.is_contiguous() \
+            or slots.device != kv.device:
         raise ValueError(f"latent_rows: slots must be contiguous int64 [{t}] on {kv.device}, got {slots.dtype} "
                          f"{tuple(slots.shape)} on {slots.device}")
     if latent.dtype != torch.bfloat16 or latent.dim() != 2 or latent.shape[1] != row or not latent.is_contiguous() \
