@@ -289,9 +289,8 @@ def rel_err(a, b) -> float:
 @pytest.mark.parametrize("experts,hidden", [(384, 7168), (16, 256), (9, 36)])
 def test_router_logits_policy(tokens, experts, hidden):
     """moe_router_gemm (<= ROUTER_KERNEL_MAX_T tokens or a small weight, D % 32 == 0) and cuBLAS (otherwise)
-    against float64: error at
-    most 2x PyTorch fp32's (+ a few ulps of the row scale), the same bits on a second call (fixed summation order);
-    route on the parts == route on their sum."""
+    against float64: error at most 2x PyTorch fp32's (+ a few ulps of the row scale), the same bits on a second
+    call (fixed summation order); route on the parts == route on their sum."""
     g = torch.Generator().manual_seed(tokens * 131 + experts)
     x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).cuda()
     w = (torch.randn(experts, hidden, generator=g) * hidden ** -0.5).cuda()
