@@ -32,6 +32,12 @@ the torch backend. Dense projections stay in torch (cuBLAS). The drafter's atten
 optimized/draft_ops.py: q norm + RoPE one launch, every key/value write one launch, attention one launch (the
 reference's steps were ~16 launches a layer); the torch backend keeps the reference's steps.
 
+Fewer launches in the target on the cuda backend (this launch-bound engine pays ~2 us each): q (or q_a) and kv_a
+as one GEMM; the latent rows (kv_a norm, k_pe RoPE, cat, cache write) in one launch (norm_rope.latent_rows, bit
+for bit the separate steps); SwiGLU gate|up as one GEMM plus silu_mul; the residual adds inside the o_proj and
+down GEMMs (in-place addmm_, one rounding where the reference rounds the product first) and inside the routed
+experts' combine. The packed weights replace the modules' own (those become views), so nothing is stored twice.
+
 Backends (`engine.backend`, asserted by the tests): "cuda" (the suite's kernels, bf16, graphs) and "torch"
 (the same round through reference ops: any device and dtype, eager only; it is how the round logic and expert
 parallelism are tested on CPU in CI, and the debugging twin of the cuda backend). Neither falls back to the
