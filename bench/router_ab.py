@@ -13,12 +13,13 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.join(HERE, "..")]
+sys.path[:0] = [os.path.join(HERE, ".."), HERE]
 sys.path.append(os.path.join(HERE, "..", "conformance"))      # mla_cases
 
 import torch  # noqa: E402
 
 import mla_cases as mc  # noqa: E402
+from conftest import provenance_info  # noqa: E402
 from optimized import moe as moe_k  # noqa: E402
 
 SHAPES = {"K2.6 (E 384, D 7168)": (384, 7168), "trained pair (E 16, D 256)": (16, 256)}
@@ -43,8 +44,8 @@ def main() -> None:
             c = time_us(lambda: moe_k.router_parts(x, w, path="cublas"))
             rows.append({"shape": name, "experts": e, "hidden": d, "tokens": t, "kernel_us": round(k, 2),
                          "cublas_us": round(c, 2), "policy": moe_k.router_path(x, w)})
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "router_kernel_max_t": moe_k.ROUTER_KERNEL_MAX_T}
+    meta = dict(provenance_info(), router_kernel_max_t=moe_k.ROUTER_KERNEL_MAX_T,
+                router_small_w=moe_k.ROUTER_SMALL_W)     # provenance: set DDTREE_COMMIT where .git is stale
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
