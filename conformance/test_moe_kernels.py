@@ -620,6 +620,14 @@ def copy_bandwidth(nbytes=2 << 30) -> float:
     return 2 * nbytes / median(event_times([lambda: b.copy_(a)] * 20))
 
 
+def matmul_peak(n: int = 8192) -> float:
+    """bf16 matmul n^3 through torch, flop/s (the suite's tensor-core ceiling, GPU.md: 787 TFLOP/s on the H200)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a, b = (torch.randn(n, n, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    a @ b
+    return 2 * n ** 3 / median(event_times([lambda: a @ b] * 10))
+
+
 def random_routes(layer, tokens, reps, seed=0):
     """`reps` fresh (x, idx, w) through our router: a different expert set per call, so L2 never serves the
     weights of the call before."""

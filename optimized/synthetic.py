@@ -115,24 +115,25 @@ def _weight_bytes(module) -> int:
                if p.device.type != "meta" and ".experts." not in n)
 
 
-def verify_floor(engine, t: int, distinct: list, prefix: int) -> dict:
-    """Seconds for a verify of t rows over `prefix` cached rows: the sum over its kernels of max(bytes / BW,
-    flops / PEAK). distinct: experts touched per MoE layer (measured). Parts: dense (every non-expert weight
-    byte once, router fp32, lm_head), attention (latent rows once vs 2176 flop per head-key pair), moe."""
+def verify_floor(engine, t: int, distinct: list, prefix: int, bw: float = BW, peak: float = PEAK) -> dict:
+    """Seconds for a verify of t rows over `prefix` cached rows: the sum over its kernels of max(bytes / bw,
+    flops / peak), by default the H200's ceilings (GPU.md); pass the ones measured on the card that ran.
+    distinct: experts touched per MoE layer (measured). Parts: dense (every non-expert weight byte once, router
+    fp32, lm_head), attention (latent rows once vs 2176 flop per head-key pair), moe."""
     cfg, tgt = engine.cfg, engine.target
     expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * (0.5 + 2 / cfg.quantization_config.group_size)
     dense = attn = 0.0
     for i, layer in enumerate(tgt.model.layers):
         wb = _weight_bytes(layer)
-        dense += max(wb / BW, t * wb / PEAK)                                  # 2 * t * (wb / 2) flops
+        dense += max(wb / bw, t * wb / peak)                                  # 2 * t * (wb / 2) flops
         if cfg.is_moe_layer(i):
-            dense += cfg.n_routed_experts * cfg.hidden_size * 4 / BW
+            dense += cfg.n_routed_experts * cfg.hidden_size * 4 / bw
         keys = prefix + t
-        attn += max(keys * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2 / BW,
-                    2176 * cfg.num_attention_heads * t * keys / PEAK)
-    moe = sum(distinct) * expert_bytes / BW
+        attn += max(keys * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2 / bw,
+                    2176 * cfg.num_attention_heads * t * keys / peak)
+    moe = sum(distinct) * expert_bytes / bw
     head = tgt.lm_head.weight.numel() * tgt.lm_head.weight.element_size()
-    dense += max(head / BW, t * head / PEAK)
+    dense += max(head / bw, t * head / peak)
     return dict(dense=dense, attention=attn, moe=moe, total=dense + attn + moe, expert_bytes=expert_bytes)
 
 
