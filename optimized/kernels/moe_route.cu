@@ -220,10 +220,10 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(
 // in order 0..RK-1: a fixed summation order (the same bits every run), no atomics.
 // Grid (E / 16, RK, passes) blocks of 256 threads. Block (g, k, z): experts 16g .. 16g+15 (2 per warp), the k-th
 // D/RK columns (D % 32 == 0, D / RK <= 4 * 32 * ROUTER_CMAX), tokens in passes of 16: passes z, z + gridDim.z, ...
-// (the launcher gives every pass its own block; a pass's tokens wait on one x load and 16 butterflies, which at
-// the trained pair's D = 256 cost as much as the whole T = 1 call). Thread (warp, lane): float4 columns lane + 32c
-// of the slice, c < ROUTER_CMAX, for its 2 experts: loaded once, all at once, and kept in registers for the
-// block's tokens. A pass stages its x slice in shared memory (every load in flight together), then each thread
+// (the launcher gives every pass its own block: at the trained pair's D = 256 a 16-token pass takes ~6 us, its
+// tokens' butterflies one after another, so side by side T = 17..257 all take ~6 us; router_ab.md). Thread
+// (warp, lane): float4 columns lane + 32c of the slice, c < ROUTER_CMAX, for its 2 experts: loaded once, all at
+// once, and kept in registers for the block's tokens. A pass stages its x slice in shared memory (every load in flight together), then each thread
 // adds its columns' products per (expert, token) in column order, and a butterfly adds the lanes. Every output
 // is the same sum in the same order whatever the grid.
 // Memory: W 11 MB once (2.6 us at 4.24 TB/s), x's slices cross L2 E/16 times (T = 65: 22 MB). FMAs: T x E x D
