@@ -1,5 +1,6 @@
-"""Launching CuPy RawKernels on torch's current stream with raw device pointers (shared by the MoE and the
-norm/RoPE kernels): building CuPy array views per call would cost microseconds per tensor."""
+"""Launching CuPy RawKernels on torch's current stream with raw device pointers (shared by the MoE, norm/RoPE,
+drafter and greedy kernels): building CuPy array views per call would cost microseconds per tensor. Plus the
+argument checks those launchers share (RoPE angles, cache slots)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -37,3 +38,19 @@ def build_kernels(source: Path, names: Sequence[str], device_index: int, what: s
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=Path(source).read_text(), options=("-std=c++17",))
         return {n: module.get_function(n) for n in names}
+
+
+def check_angles(what: str, cos: torch.Tensor, sin: torch.Tensor, rows: int, half: int, device) -> None:
+    """ValueError unless cos and sin are contiguous float32 [rows, half] on `device` (rope_cos_sin's output)."""
+    for name, a in (("cos", cos), ("sin", sin)):
+        if a.dtype != torch.float32 or tuple(a.shape) != (rows, half) or not a.is_contiguous() or a.device != device:
+            raise ValueError(f"{what}: {name} must be contiguous float32 [{rows}, {half}] on {device}, got "
+                             f"{a.dtype} {tuple(a.shape)} on {a.device}")
+
+
+def check_slots(what: str, slots: torch.Tensor, rows: int, device) -> None:
+    """ValueError unless slots is a contiguous int64 [rows] tensor on `device` (flat cache rows to write)."""
+    if slots.dtype != torch.long or tuple(slots.shape) != (rows,) or not slots.is_contiguous() \
+            or slots.device != device:
+        raise ValueError(f"{what}: slots must be contiguous int64 [{rows}] on {device}, got {slots.dtype} "
+                         f"{tuple(slots.shape)} on {slots.device}")

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cuda_launch import build_kernels, launch, ptr
+from .cuda_launch import build_kernels, check_angles, check_slots, launch, ptr
 
 _SOURCE = Path(__file__).parent / "kernels" / "draft.cu"
 HNR_WARPS, HNR_MAXE = 4, 256            # head_norm_rope's block (warps) and largest head dim (the .cu's)
@@ -57,14 +57,6 @@ def _bf16_cuda(what: str, **tensors):
                              f"got {got}")
 
 
-def _angles(what: str, cos: torch.Tensor, sin: torch.Tensor, rows: int, e: int, device):
-    for name, a in (("cos", cos), ("sin", sin)):
-        if a.dtype != torch.float32 or tuple(a.shape) != (rows, e // 2) or not a.is_contiguous() \
-                or a.device != device:
-            raise ValueError(f"{what}: {name} must be contiguous float32 [{rows}, {e // 2}] on {device}, got "
-                             f"{a.dtype} {tuple(a.shape)} on {a.device}")
-
-
 def _head_dim(what: str, e: int):
     if e % 2 or not 0 < e <= HNR_MAXE:
         raise ValueError(f"{what}: head_dim must be even and <= {HNR_MAXE}, got {e}")
@@ -81,7 +73,7 @@ def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch
     _head_dim("head_norm_rope", e)
     if tuple(weight.shape) != (e,) or not weight.is_contiguous():
         raise ValueError(f"head_norm_rope: weight must be contiguous [{e}], got {tuple(weight.shape)}")
-    _angles("head_norm_rope", cos, sin, rows, e, x.device)
+    check_angles("head_norm_rope", cos, sin, rows, e // 2, x.device)
     out = torch.empty(rows, h, e, dtype=x.dtype, device=x.device)
     if rows:
         warps = rows * h
@@ -112,11 +104,8 @@ def write_keys_values(kv: torch.Tensor, weights: torch.Tensor, eps: float, cos: 
     if kv.dim() != 2 or kv.shape[1] != layers * 2 * g * e or kv.stride(-1) != 1:
         raise ValueError(f"write_keys_values: kv must be [rows, {layers * 2 * g * e}] (layers x k|v x {g} heads x "
                          f"{e}) with a unit last stride, got shape {tuple(kv.shape)} strides {kv.stride()}")
-    if slots.dtype != torch.long or tuple(slots.shape) != (rows,) or not slots.is_contiguous() \
-            or slots.device != kv.device:
-        raise ValueError(f"write_keys_values: slots must be contiguous int64 [{rows}] on {kv.device}, got "
-                         f"{slots.dtype} {tuple(slots.shape)}")
-    _angles("write_keys_values", cos, sin, rows, e, kv.device)
+    check_slots("write_keys_values", slots, rows, kv.device)
+    check_angles("write_keys_values", cos, sin, rows, e // 2, kv.device)
     if rows:
         warps = rows * layers * 2 * g
         launch(_kernels(kv.device.index)["head_norm_rope"], kv.device, (-(-warps // HNR_WARPS),), (HNR_WARPS * 32,),

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cuda_launch import build_kernels, launch, ptr
+from .cuda_launch import build_kernels, check_angles, check_slots, launch, ptr
 
 _SOURCE = Path(__file__).parent / "kernels" / "norm_rope.cu"
 KERNELS = ("rms_norm_bf16", "rms_norm_bf16_v8", "rope_bf16", "latent_rows_bf16")
@@ -106,11 +106,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
     t, r = x.shape[0], x.shape[-1]
     if r % 2:
         raise ValueError(f"rope: the rotary dim must be even, got {r}")
-    for name, a in (("cos", cos), ("sin", sin)):
-        if a.dtype != torch.float32 or tuple(a.shape) != (t, r // 2) or not a.is_contiguous() \
-                or a.device != x.device:
-            raise ValueError(f"rope: {name} must be contiguous float32 [{t}, {r // 2}] on {x.device}, got "
-                             f"{a.dtype} {tuple(a.shape)} on {a.device}")
+    check_angles("rope", cos, sin, t, r // 2, x.device)
     per_t = math.prod(x.shape[1:-1])
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     pairs = t * per_t * (r // 2)
@@ -141,14 +137,8 @@ def latent_rows(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.T
     if c % 8 or not 0 < c <= 1024 or r <= 0 or r % 2:
         raise ValueError(f"latent_rows: needs C % 8 == 0, C <= 1024 and an even rotary part, got C = {c}, "
                          f"R = {r} (use rms_norm and rope)")
-    for name, a in (("cos", cos), ("sin", sin)):
-        if a.dtype != torch.float32 or tuple(a.shape) != (t, r // 2) or not a.is_contiguous() or a.device != kv.device:
-            raise ValueError(f"latent_rows: {name} must be contiguous float32 [{t}, {r // 2}] on {kv.device}, got "
-                             f"{a.dtype} {tuple(a.shape)} on {a.device}")
-    if slots.dtype != torch.long or tuple(slots.shape) != (t,) or not slots.is_contiguous() \
-            or slots.device != kv.device:
-        raise ValueError(f"latent_rows: slots must be contiguous int64 [{t}] on {kv.device}, got {slots.dtype} "
-                         f"{tuple(slots.shape)} on {slots.device}")
+    check_angles("latent_rows", cos, sin, t, r // 2, kv.device)
+    check_slots("latent_rows", slots, t, kv.device)
     if latent.dtype != torch.bfloat16 or latent.dim() != 2 or latent.shape[1] != row or not latent.is_contiguous() \
             or latent.device != kv.device:
         raise ValueError(f"latent_rows: latent must be a contiguous bfloat16 [S, {row}] cache on {kv.device}, got "
