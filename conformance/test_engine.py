@@ -146,6 +146,21 @@ def test_engine_rejects_bad_input(pair):
         Engine(target, drafter, backend="torch", tree_config=object())
 
 
+def test_pack_rows_shares_storage_with_the_modules():
+    """engine._pack_rows (the cuda backend's packed gate|up and q|kv_a weights): the rows of every weight in
+    order, and the modules that held those weights now view the packed tensor (no second copy); a module
+    holding another tensor is left alone."""
+    from optimized.engine import _pack_rows
+    a, b, other = torch.nn.Linear(6, 4, bias=False), torch.nn.Linear(6, 3, bias=False), torch.nn.Linear(6, 2)
+    want = torch.cat([a.weight, b.weight]).detach().clone()
+    keep = other.weight.detach().clone()
+    packed = _pack_rows((a.weight, b.weight), (a, None, b, other))
+    assert torch.equal(packed, want)
+    assert a.weight.data_ptr() == packed.data_ptr() and b.weight.data_ptr() == packed[4:].data_ptr()
+    assert torch.equal(a(torch.ones(1, 6)), torch.ones(1, 6) @ want[:4].T)
+    assert torch.equal(other.weight, keep) and other.weight.data_ptr() != packed.data_ptr()
+
+
 def test_node_count_matches_the_reference_tree():
     logits = torch.randn(5, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     for budget in (0, 1, 5, 6, 7, 30, 36, 100, 10_000):

@@ -272,6 +272,19 @@ def _stack(ts: list) -> torch.Tensor:
     return ts[0][None] if len(ts) == 1 else torch.stack(ts)
 
 
+def _pack_rows(weights: Sequence[torch.Tensor], modules: Sequence) -> torch.Tensor:
+    """torch.cat(weights) along rows: one [sum of rows, D] weight, so one GEMM serves several projections. Each
+    nn.Linear of `modules` (None skipped) whose weight is one of `weights` (the same storage) is rebound to its
+    view of the packed tensor, so no second copy is kept."""
+    packed = torch.cat(list(weights)).detach()
+    views = packed.split([w.shape[0] for w in weights])
+    for m in modules:
+        for w, view in zip(weights, views):
+            if m is not None and m.weight.data_ptr() == w.data_ptr() and m.weight.shape == w.shape:
+                m.weight.data = view
+    return packed
+
+
 def _pad4(t: int) -> int:
     return -(-t // 4) * 4
 
@@ -380,27 +393,20 @@ class Engine:
         if self.backend != "cuda":
             return
         for i, layer in enumerate(self.target.model.layers):
+            mods = layer.mlp.shared_experts if self.cfg.is_moe_layer(i) else layer.mlp
             if self.cfg.is_moe_layer(i):
-                w = self.moe_weights[i]
-                if w.shared is None:
+                if self.moe_weights[i].shared is None:
                     continue
-                gate, up, down = w.shared
-                mods = layer.mlp.shared_experts
+                gate, up, down = self.moe_weights[i].shared
             else:
-                mods = layer.mlp
                 if not all(type(m) is torch.nn.Linear for m in (mods.gate_proj, mods.up_proj, mods.down_proj)):
                     continue                       # e.g. INT4 dense projections: the module's own forward
                 gate, up, down = mods.gate_proj.weight, mods.up_proj.weight, mods.down_proj.weight
             if gate.dtype != torch.bfloat16 or gate.device != self.device:
                 continue
-            gu = torch.cat([gate, up]).detach()
-            f = gate.shape[0]
-            for lin, src, part in ((getattr(mods, "gate_proj", None), gate, gu[:f]),
-                                   (getattr(mods, "up_proj", None), up, gu[f:])):
-                if lin is not None and lin.weight.data_ptr() == src.data_ptr():
-                    lin.weight.data = part                 # the module shared that storage: rebind it to gu
+            gu = _pack_rows((gate, up), (getattr(mods, "gate_proj", None), getattr(mods, "up_proj", None)))
             if self.cfg.is_moe_layer(i):
-                self.moe_weights[i].shared = (gu[:f], gu[f:], down)
+                self.moe_weights[i].shared = (*gu.split(gate.shape[0]), down)
             self._tgu[i] = (gu, down)
 
     def _prepare_attention(self):
@@ -421,10 +427,7 @@ class Engine:
             lins = (first, at.kv_a_proj_with_mqa)
             if not all(type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16 for m in lins):
                 continue
-            w = torch.cat([m.weight for m in lins]).detach()
-            q = first.weight.shape[0]
-            first.weight.data, at.kv_a_proj_with_mqa.weight.data = w[:q], w[q:]
-            self._qkv_a[at] = (w, q)
+            self._qkv_a[at] = (_pack_rows([m.weight for m in lins], lins), first.weight.shape[0])
         # the cuda backend writes each layer's latent rows in one launch (norm_rope.latent_rows) where its shape
         # allows (C % 8 == 0, C <= 1024, bf16 norm weights); else the four launches of the reference's steps
         self._latent_rows = self.backend == "cuda" and cfg.kv_lora_rank % 8 == 0 and cfg.kv_lora_rank <= 1024 \
@@ -450,8 +453,7 @@ class Engine:
                             torch.arange(r, **z) * self.cap, torch.zeros(MAX_T, **long), torch.zeros(1, **long))
         self._draft_ids = None if self.drafter is None else torch.full(
             (r, self.drafter.block_size), self.drafter.mask_token_id, **long)      # column 0: each round's bonus
-        self._causal: dict = {}                   # rows -> packed causal visibility [1, rows, W] (prefill)
-        self._statics: dict = {}                  # _static's tensors
+        self._statics: dict = {}                  # _static's tensors (per-shape constants of rounds and prefill)
 
     # ---- the target forward over T rows per request at slots start.. (prefill chunks and verify alike) -------
 
@@ -700,8 +702,8 @@ class Engine:
         r.ids, r.depths, r.parents = (_stack([p[k] for p in parts]) for k in range(3))
 
     def _static(self, key, make: Callable):
-        """A round's constant tensors, made once per key (first in the eager warm-up, before any capture), so a
-        graph replay launches nothing to fill them."""
+        """A round's or a prefill chunk's constant tensors, made once per key (first in the eager warm-up, before
+        any capture), so a graph replay launches nothing to fill them."""
         if key not in self._statics:
             self._statics[key] = make()
         return self._statics[key]
@@ -882,10 +884,8 @@ class Engine:
         and the logits of row b.prefill_last [1, 1, V]."""
         _, r, rows, bucket = key
         b = self.buf
-        bits = self._causal.get(rows)
-        if bits is None:                          # made once per shape, before any capture of it (warm-up)
-            tri = torch.ones(rows, rows, dtype=torch.bool, device=self.device).tril()
-            bits = self._causal[rows] = pack_visibility(tri)[None]
+        bits = self._static(("causal", rows), lambda: pack_visibility(            # packed causal visibility
+            torch.ones(rows, rows, dtype=torch.bool, device=self.device).tril())[None])  # [1, rows, W]
         logits, feats = self._forward(b.prefill_ids[None, :rows], b.arange[None, :rows], bits, bucket,
                                       self.drafter is not None, r0=r, logit_rows=b.prefill_last)
         if self.drafter is not None:
