@@ -70,7 +70,8 @@ def main() -> None:
             policy = time_us(lambda: moe_k.moe_routed(x, idx, w, wts))
             best = min(times, key=times.get)
             rows.append(dict(shape=name, tokens=t, pairs=pairs, policy_us=round(policy, 2),
-                             policy_variant=str(moe_k.pick_variant(t, s["top_k"], s["n_routed_experts"])),
+                             policy_variant=str(moe_k.pick_variant(t, s["top_k"], s["n_routed_experts"], True,
+                                                                  s["hidden_size"] * s["moe_intermediate_size"])),
                              policy_fused=pairs >= moe_k.FUSED_MIN_PAIRS, best=best,
                              best_us=round(times[best], 2), variants={k: round(v, 2) for k, v in times.items()}))
             print(f"{name} T={t}: policy {policy:.1f} us, best {best} {times[best]:.1f} us", flush=True)

@@ -1,10 +1,11 @@
 """The engine at Kimi K2.6 widths on one GPU (issues 8 and 9): random weights (optimized.synthetic), hidden 7168,
 64-head MLA (kv_lora 512 + rope 64), 384 INT4 experts top-8 + 1 shared, vocab 163,840, the K2.6 DFlash drafter
-(6 layers at 7168), and as many target layers as fit one H200 (DDTREE_K26_LAYERS, default 12: 1 dense + 11
-MoE, ~120 GB). Prefix 4096 tokens; per-round device time by stage (one CUDA graph per stage) for ar and ddtree
+(6 layers at 7168), and as many target layers as fit the GPU (DDTREE_K26_LAYERS, default: ~10 GB a layer plus
+~10 GB of embedding, lm_head and drafter, at most 12: 12 on an H200, 6 on an 80 GB H100). Prefix 4096 tokens; per-round device time by stage (one CUDA graph per stage) for ar and ddtree
 budgets 4..64; the drafter is random, so rounds commit one token: the figures are latencies, not throughput.
 
-Floors (GPU.md: 4.24 TB/s copy bandwidth, 787 TFLOP/s bf16) per verify, summed over its kernels, each the max of
+Floors per verify, from the copy bandwidth and the bf16 matmul rate measured on the running card at the start
+(GPU.md's H200 figures: 4.24 TB/s, 787 TFLOP/s), summed over its kernels, each the max of
 its bytes / bandwidth and flops / peak:
   dense GEMMs   every weight byte once (attention projections, layer-0 MLP, shared experts, router fp32, lm_head)
   MoE           the distinct experts the verify touches (measured from the router in an eager pass) x 24.8 MB
@@ -29,11 +30,24 @@ ROWS: list = []
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def default_layers() -> int:
+    """As many K2.6-width target layers as fit this GPU, at most 12 (~10 GB each + ~10 GB besides)."""
+    total = torch.cuda.get_device_properties(0).total_memory / 2 ** 30
+    return max(2, min(12, int(total / 10) - 1))
+
+
 @pytest.fixture(scope="module")
-def engine():
+def ceilings():
+    """(copy bandwidth bytes/s, bf16 matmul flop/s) measured on this card before the engine is built."""
+    from test_moe_kernels import copy_bandwidth, matmul_peak
+    return copy_bandwidth(), matmul_peak()
+
+
+@pytest.fixture(scope="module")
+def engine(ceilings):
     from optimized.engine import Engine
     from optimized.synthetic import k26_engine_parts
-    layers = int(os.environ.get("DDTREE_K26_LAYERS", "12"))
+    layers = int(os.environ.get("DDTREE_K26_LAYERS", "0")) or default_layers()
     try:
         target, drafter, moe = k26_engine_parts(layers, "cuda")
     except torch.OutOfMemoryError:
@@ -47,7 +61,7 @@ def engine():
 
 
 @pytest.mark.parametrize("mode,budget", CONFIGS, ids=[f"{m}-{b}" for m, b in CONFIGS])
-def test_k26_round(benchmark, provenance, engine, mode, budget):
+def test_k26_round(benchmark, provenance, engine, ceilings, mode, budget):
     from optimized.engine import RoundTiming
     from optimized.synthetic import distinct_experts, verify_floor
     eng = engine
@@ -63,13 +77,15 @@ def test_k26_round(benchmark, provenance, engine, mode, budget):
     per = timing.per_round()
     key, t = eng.round_key(mode, budget, 1, PREFIX)          # the eager pass (one round) has the same row count
     distinct = distinct_experts(eng, prompt, mode, budget, t)
-    floor = verify_floor(eng, t, distinct, PREFIX)
+    bw, peak = ceilings
+    floor = verify_floor(eng, t, distinct, PREFIX, bw, peak)
     row = dict(mode=mode, budget=budget, verify_rows=t, rounds=timing.rounds, stage_ms=per,
                round_ms=sum(per[k] for k in ("draft", "tree", "verify", "commit")),
                distinct_experts_per_layer=sum(distinct) / max(len(distinct), 1),
                floor_ms={k: v * 1e3 for k, v in floor.items() if k != "expert_bytes"},
                verify_over_floor=per["verify"] / (floor["total"] * 1e3),
-               moe_layers=len(distinct), layers=eng.cfg.num_hidden_layers, tau=out.mean_acceptance)
+               moe_layers=len(distinct), layers=eng.cfg.num_hidden_layers, tau=out.mean_acceptance,
+               copy_tbps=bw / 1e12, bf16_tflops=peak / 1e12)
     benchmark.extra_info.update({k: v for k, v in row.items() if not isinstance(v, dict)})
     ROWS.append(row)
 
@@ -92,8 +108,9 @@ def test_write_report(provenance, bench_out):
     lines = [f"# Engine at K2.6 widths, {layers} layers (1 dense + {ar['moe_layers']} MoE), prefix {PREFIX} "
              f"({info.get('gpu', '?')}, commit {info.get('commit', '?')})", "",
              "Random weights; device ms per round by stage (one CUDA graph per stage, CUDA events). Floor: sum "
-             "over the verify's kernels of max(bytes / 4.24 TB/s, flops / 787 TFLOP/s); distinct experts "
-             "measured from the router.", "",
+             f"over the verify's kernels of max(bytes / {ar['copy_tbps']:.2f} TB/s, flops / {ar['bf16_tflops']:.0f} "
+             "TFLOP/s), the copy bandwidth and bf16 matmul rate measured on this card; distinct experts measured "
+             "from the router.", "",
              "| mode | budget | rows | draft | tree | verify | commit | host | distinct experts/layer | "
              "verify floor | verify / floor |", "|" + " --- |" * 11]
     for r in ROWS:

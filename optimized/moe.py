@@ -445,18 +445,26 @@ def _fused_name(variant) -> str:
     return "moe_int4_fused<%d,%d,%d>" % variant[:3]
 
 
-def pick_variant(tokens: int, top_k: int, n_experts: int, split: bool = True):
+SMALL_EXPERT = 1 << 20  # hidden x intermediate at most this: a tile's weights are a few chunks, latency-bound
+
+
+def pick_variant(tokens: int, top_k: int, n_experts: int, split: bool = True, expert_elems: int = 0):
     """(NT, U, XB, S) for a call. Up to SMALL_PAIRS token-expert pairs (T <= 4 at K = 8) K is split over two warps
     (S = 2): gate/up 4-5% and down 4% faster there (H200, bench/results/moe_run9/moe_stage_variants.json).
-    Beyond, NT=1 (8-token passes) with activations batched 4 chunks deep measured fastest at every T up to 256 under near-uniform routing (bench/results/moe_int4.md):
-    with 1-15 tokens per expert the weight stream, not the tokens, is the cost. Only when the likely largest
-    expert (mean + 3 sigma of uniform routing, at most T) needs more than 4 passes do wider n-tiles take over.
-    split=False: S = 1 only (the one-launch gate_up_down has no split-K kernel)."""
+    Beyond, NT=1 (8-token passes) with activations batched 4 chunks deep measured fastest at every T up to 256 under
+    near-uniform routing at K2.6's shapes (bench/results/moe_int4.md): with 1-15 tokens per expert the weight
+    stream, not the tokens, is the cost. Only when the likely largest expert (mean + 3 sigma of uniform routing,
+    at most T) needs more than 4 passes do wider n-tiles take over. Small experts (expert_elems = hidden x
+    intermediate <= SMALL_EXPERT, e.g. the trained pair's 256 x 192) are bound by each pass's latency instead, so
+    wider n-tiles take over from 2 passes on (H100, bench/results/moe_variant_ab.md: T = 65 at 16 experts top-4
+    13.5 us against 16.7 with 8-token passes). split=False: S = 1 only (the one-launch gate_up_down has no split-K
+    kernel)."""
     if split and tokens * top_k <= SMALL_PAIRS:
         return (1, 1, 1, 2)
     m = tokens * top_k / max(1, n_experts)
     need = min(tokens, m + 3 * math.sqrt(m) + 1)
-    return (1, 4, 4, 1) if need <= 32 else (4, 1, 1, 1)
+    wide = 16 if 0 < expert_elems <= SMALL_EXPERT else 32
+    return (1, 4, 4, 1) if need <= wide else (4, 1, 1, 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -478,9 +486,10 @@ def _variant_key(v) -> tuple:
     return v + (1,) if len(v) == 3 else v
 
 
-def _variant(g: Grouping, n_experts: int, variant, split: bool = True):
+def _variant(g: Grouping, weights: MoEWeights, variant, split: bool = True):
     """The caller's (NT, U, XB[, S]), checked to be compiled, or `pick_variant`'s choice for this grouping."""
-    variant = _variant_key(variant) if variant is not None else pick_variant(g.tokens, g.top_k, n_experts, split)
+    variant = _variant_key(variant) if variant is not None else pick_variant(
+        g.tokens, g.top_k, weights.n_experts, split, weights.hidden * weights.intermediate)
     if variant not in GEMM_VARIANTS:
         raise ValueError(f"moe gemm: variant {variant} not compiled; choose from {GEMM_VARIANTS}")
     return variant
@@ -493,8 +502,8 @@ def _h_buffer(weights: MoEWeights, g: Grouping, device) -> torch.Tensor:
 
 
 def _run_gemm(epi: int, act: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, g: Grouping, out: torch.Tensor,
-              n_experts: int, variant):
-    v = _variant(g, n_experts, variant)
+              weights: MoEWeights, variant):
+    v = _variant(g, weights, variant)
     name = _gemm_name(v, epi)
     r, c = wq.shape[1], wq.shape[2]
     a = g.active.shape[1]
@@ -508,7 +517,7 @@ def gate_up(x: torch.Tensor, weights: MoEWeights, grouping: Grouping, variant=No
     columns past F zero)."""
     xp = _check_x(x, weights)
     h = _h_buffer(weights, grouping, x.device)
-    _run_gemm(0, xp, weights.w13, weights.s13, grouping, h, weights.n_experts, variant)
+    _run_gemm(0, xp, weights.w13, weights.s13, grouping, h, weights, variant)
     return h
 
 
@@ -520,7 +529,7 @@ def group_gate_up(x: torch.Tensor, idx: torch.Tensor, weights: MoEWeights, varia
     if g.tokens * g.top_k > SMALL_PAIRS:
         raise ValueError(f"group_gate_up: {g.tokens * g.top_k} token-expert pairs > {SMALL_PAIRS}; use "
                          "group_tokens then gate_up")
-    v = _variant(g, weights.n_experts, variant)
+    v = _variant(g, weights, variant)
     name = _grouped_name(v)
     h = _h_buffer(weights, g, x.device)
     r, c = weights.w13.shape[1], weights.w13.shape[2]
@@ -533,7 +542,7 @@ def group_gate_up(x: torch.Tensor, idx: torch.Tensor, weights: MoEWeights, varia
 def down(h: torch.Tensor, weights: MoEWeights, grouping: Grouping, variant=None) -> torch.Tensor:
     """y [P, D] fp32 = h W_down^T per sorted pair."""
     y = torch.empty(h.shape[0], weights.hidden, dtype=torch.float32, device=h.device)
-    _run_gemm(1, h, weights.w2, weights.s2, grouping, y, weights.n_experts, variant)
+    _run_gemm(1, h, weights.w2, weights.s2, grouping, y, weights, variant)
     return y
 
 
@@ -543,7 +552,7 @@ def gate_up_down(x: torch.Tensor, weights: MoEWeights, grouping: Grouping, varia
     if grouping.fused_used:
         raise ValueError("gate_up_down: this grouping's counters are used up; call group_tokens again")
     xp = _check_x(x, weights)
-    name = _fused_name(_variant(grouping, weights.n_experts, variant, split=False))
+    name = _fused_name(_variant(grouping, weights, variant, split=False))
     h = _h_buffer(weights, grouping, x.device)
     y = torch.empty(h.shape[0], weights.hidden, dtype=torch.float32, device=x.device)
     r13, c13, r2, c2 = weights.w13.shape[1], weights.w13.shape[2], weights.w2.shape[1], weights.w2.shape[2]
