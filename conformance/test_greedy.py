@@ -1,5 +1,6 @@
 """optimized.greedy.argmax_rows == torch.argmax(-1), exactly: ties (the first index wins), NaN (counts as the
-maximum, the first NaN wins), -inf rows, bf16 and fp32, aligned (16-byte loads) and unaligned rows.
+maximum, the first NaN wins), -inf rows, bf16 and fp32, aligned (16-byte loads) and unaligned rows, rows of one
+block's chunk and rows split over several blocks (V > 8192 bf16 / 4096 fp32 values, a partial last chunk).
 
 Replaces: the engine's greedy choice (`logits.argmax(-1)`) on the cuda backend. Backend: the CuPy kernel, the only
 path. Tolerance: none (integer equality). CPU tests: the NVRTC build and the clear errors; GPU tests: `gpu`.
@@ -26,7 +27,7 @@ def test_bad_inputs_raise():
 
 
 @pytest.mark.gpu
-@given(rows=st.integers(1, 300), v=st.sampled_from([1, 7, 37, 4096, 4099, 163840]),
+@given(rows=st.integers(1, 300), v=st.sampled_from([1, 7, 37, 4096, 4099, 8193, 20001, 40960, 163840]),
        dtype=st.sampled_from([torch.bfloat16, torch.float32]), offset=st.sampled_from([0, 1]),
        kind=st.sampled_from(["randn", "ties", "nan", "-inf", "few"]), seed=st.integers(0, 2**16))
 @settings(max_examples=60, deadline=None)

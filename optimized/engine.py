@@ -474,14 +474,14 @@ class Engine:
             at = layer.self_attn
             flat = b.latent[i].view(-1, b.latent.shape[-1])                                  # [R*cap, C+R]
             q_nope, q_pe = self._project(at, self.ops.norm(layer.input_layernorm, h), cos, sin, flat, slots)
-            q_lat = torch.einsum("thn,hnc->thc", q_nope, self._w_uk[i]).contiguous()
+            q_lat = self._absorb(q_nope, self._w_uk[i])                                     # [n*T, H, C]
             q_pe = q_pe.contiguous()
             o_lat = torch.empty_like(q_lat)
             for j in range(n):                        # one attention launch per request (its own prefix)
                 rows_j = slice(j * t, (j + 1) * t)
                 self.ops.attention(q_lat[rows_j], q_pe[rows_j], b.latent[i, r0 + j, :bucket], bits[j, :t],
                                    start[j:j + 1], seq_len[j:j + 1], cfg.softmax_scale, o_lat[rows_j])
-            o = torch.einsum("thc,hac->tha", o_lat, self._w_uv[i]).reshape(n * t, -1)
+            o = self._absorb(o_lat, self._w_uv[i].transpose(1, 2)).view(n * t, -1)            # [n*T, H*A]
             if self.backend == "cuda":           # residual adds inside the GEMMs / the MoE combine (fewer launches)
                 h = self._add_mm(h, o, at.o_proj.weight, own)
                 h, own = self._mlp_residual(i, layer, h, self.ops.norm(layer.post_attention_layernorm, h)), True
@@ -493,6 +493,16 @@ class Engine:
         last = h if logit_rows is None else h.index_select(0, logit_rows)
         logits = self.target.lm_head(self.ops.norm(self.target.model.norm, last)).view(n, -1, self.cfg.vocab_size)
         return logits, (torch.cat([feats[i] for i in self.layer_ids], -1).view(n, t, -1) if want_feats else None)
+
+    def _absorb(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Per head x [rows, H, a] @ w [H, a, b] -> contiguous [rows, H, b]. The cuda backend runs one batched GEMM
+        on the head-major views (cuBLAS takes the token-major strides), so neither side is permuted into a copy
+        (an einsum copied both: two copy kernels a layer); the torch backend keeps the reference's einsum."""
+        if self.backend != "cuda":
+            return torch.einsum("tha,hab->thb", x, w).contiguous()
+        out = torch.empty(x.shape[0], x.shape[1], w.shape[2], dtype=x.dtype, device=x.device)
+        torch.bmm(x.transpose(0, 1), w, out=out.transpose(0, 1))
+        return out
 
     def _project(self, at, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, flat: torch.Tensor,
                  slots: torch.Tensor):

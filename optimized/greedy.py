@@ -1,6 +1,8 @@
 """Greedy choices: argmax over the vocabulary per row in one CuPy launch (kernels/greedy.cu), exactly
 torch.argmax(-1) (the first index of the maximum; NaN counts as the maximum). torch's reduction took 15 us for the
-engine's [17, 4096] verify logits; this is the commit stage's greedy choice on the cuda backend.
+engine's [17, 4096] verify logits; this is the commit stage's greedy choice on the cuda backend. A row longer than
+one chunk (CHUNK_BYTES) is split over several blocks whose last one reduces the partials (one zeroed ticket per row
+is the only other launch).
 
     argmax_rows(x [rows, V] bfloat16 or float32 CUDA, unit last stride) -> int64 [rows]
 """
@@ -17,6 +19,7 @@ from .cuda_launch import build_kernels, launch, ptr
 _SOURCE = Path(__file__).parent / "kernels" / "greedy.cu"
 KERNELS = {torch.bfloat16: "argmax_bf16", torch.float32: "argmax_f32"}
 THREADS = 256                                  # AM_THREADS in the .cu
+CHUNK_BYTES = THREADS * 4 * 16                 # AM_UNROLL 16-byte words per thread: one block's share of a row
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,7 +39,16 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, dtype=torch.long, device=x.device)
     per = 16 // x.element_size()
     vec = int(x.data_ptr() % 16 == 0 and x.stride(0) % per == 0 and v % per == 0)
+    chunks = -(-v * x.element_size() // CHUNK_BYTES)
+    if chunks > 65535:
+        raise ValueError(f"argmax_rows: V = {v} is longer than {65535 * CHUNK_BYTES // x.element_size()} values")
+    part_v = part_i = ticket = None
+    if chunks > 1:
+        part_v = torch.empty(rows * chunks, dtype=torch.float32, device=x.device)
+        part_i = torch.empty(rows * chunks, dtype=torch.long, device=x.device)
+        ticket = torch.zeros(rows, dtype=torch.int32, device=x.device)
     if rows:
-        launch(_kernels(x.device.index)[KERNELS[x.dtype]], x.device, (rows,), (THREADS,),
-               (ptr(x), np.int64(x.stride(0)), np.int32(v), np.int32(vec), ptr(out)))
+        launch(_kernels(x.device.index)[KERNELS[x.dtype]], x.device, (rows, chunks), (THREADS,),
+               (ptr(x), np.int64(x.stride(0)), np.int32(v), np.int32(vec), ptr(part_v), ptr(part_i), ptr(ticket),
+                ptr(out)))
     return out
