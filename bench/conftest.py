@@ -21,6 +21,26 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "conformance"))
 sys.path.insert(0, os.path.dirname(__file__))                    # bench helpers (tree_plot)
 
 
+def save_rows(path, meta: dict, rows: list) -> None:
+    """An A/B script's results as JSON {"meta", "rows"} at `path`: written whole (a temporary file renamed over
+    it) or not at all. path None: nothing."""
+    import json
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    os.replace(tmp, path)
+
+
+def print_table(title: str, header: list, cells: list) -> None:
+    """A markdown table on stdout: the title line, the header, one row per cells entry."""
+    print(title)
+    print("| " + " | ".join(header) + " |\n|" + " --- |" * len(header))
+    for c in cells:
+        print("| " + " | ".join(str(x) for x in c) + " |")
+
+
 def provenance_info() -> dict:
     import torch
     info = {

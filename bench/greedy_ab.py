@@ -9,7 +9,6 @@ bytes at the copy bandwidth measured in the same run. Prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -20,7 +19,7 @@ sys.path.append(os.path.join(HERE, "..", "conformance"))      # mla_cases, test_
 import torch  # noqa: E402
 
 import mla_cases as mc  # noqa: E402
-from conftest import provenance_info  # noqa: E402
+from conftest import print_table, provenance_info, save_rows  # noqa: E402
 from optimized.greedy import argmax_rows  # noqa: E402
 from test_moe_kernels import copy_bandwidth  # noqa: E402
 
@@ -41,13 +40,10 @@ def main() -> None:
         rows.append(dict(rows=r, vocab=v, ours_us=round(ours, 2), torch_us=round(ref, 2),
                          floor_us=round(x.numel() * 2 / bw * 1e6, 2)))
     meta = dict(provenance_info(), copy_tbps=bw / 1e12)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print(f"greedy argmax, bf16, us per call ({meta['gpu']}, copy {bw / 1e12:.2f} TB/s)")
-    print("| rows | V | argmax_rows | torch.argmax | bytes floor |\n| --- | --- | --- | --- | --- |")
-    for r in rows:
-        print(f"| {r['rows']} | {r['vocab']} | {r['ours_us']} | {r['torch_us']} | {r['floor_us']} |")
+    save_rows(args.out, meta, rows)
+    print_table(f"greedy argmax, bf16, us per call ({meta['gpu']}, copy {bw / 1e12:.2f} TB/s)",
+                ["rows", "V", "argmax_rows", "torch.argmax", "bytes floor"],
+                [(r["rows"], r["vocab"], r["ours_us"], r["torch_us"], r["floor_us"]) for r in rows])
 
 
 if __name__ == "__main__":

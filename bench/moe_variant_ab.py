@@ -11,7 +11,6 @@ policy's time, the best variant's and which one.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from types import SimpleNamespace
@@ -23,7 +22,7 @@ sys.path.append(os.path.join(HERE, "..", "conformance"))      # mla_cases
 import torch  # noqa: E402
 
 import mla_cases as mc  # noqa: E402
-from conftest import provenance_info  # noqa: E402
+from conftest import print_table, provenance_info, save_rows  # noqa: E402
 from optimized import moe as moe_k  # noqa: E402
 from optimized.synthetic import random_moe_weights  # noqa: E402
 
@@ -76,14 +75,11 @@ def main() -> None:
                              best_us=round(times[best], 2), variants={k: round(v, 2) for k, v in times.items()}))
             print(f"{name} T={t}: policy {policy:.1f} us, best {best} {times[best]:.1f} us", flush=True)
     meta = dict(provenance_info(), fused_min_pairs=moe_k.FUSED_MIN_PAIRS)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print(f"\nrouted experts, us per call ({meta['gpu']}); policy = pick_variant + FUSED_MIN_PAIRS")
-    print("| shape | T | pairs | policy | policy us | best | best us |\n| --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        print(f"| {r['shape']} | {r['tokens']} | {r['pairs']} | {r['policy_variant']}"
-              f"{' fused' if r['policy_fused'] else ''} | {r['policy_us']} | {r['best']} | {r['best_us']} |")
+    save_rows(args.out, meta, rows)
+    print_table(f"\nrouted experts, us per call ({meta['gpu']}); policy = pick_variant + FUSED_MIN_PAIRS",
+                ["shape", "T", "pairs", "policy", "policy us", "best", "best us"],
+                [(r["shape"], r["tokens"], r["pairs"], r["policy_variant"] + (" fused" if r["policy_fused"] else ""),
+                  r["policy_us"], r["best"], r["best_us"]) for r in rows])
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ Each path: 20 calls captured in one CUDA graph, median of 15 replays, microsecon
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -19,7 +18,7 @@ sys.path.append(os.path.join(HERE, "..", "conformance"))      # mla_cases
 import torch  # noqa: E402
 
 import mla_cases as mc  # noqa: E402
-from conftest import provenance_info  # noqa: E402
+from conftest import print_table, provenance_info, save_rows  # noqa: E402
 from optimized import moe as moe_k  # noqa: E402
 
 SHAPES = {"K2.6 (E 384, D 7168)": (384, 7168), "trained pair (E 16, D 256)": (16, 256)}
@@ -46,13 +45,10 @@ def main() -> None:
                          "cublas_us": round(c, 2), "policy": moe_k.router_path(x, w)})
     meta = dict(provenance_info(), router_kernel_max_t=moe_k.ROUTER_KERNEL_MAX_T,
                 router_small_w=moe_k.ROUTER_SMALL_W)     # provenance: set DDTREE_COMMIT where .git is stale
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print(f"router GEMM, us per call ({meta['gpu']}), policy = the path the engine takes")
-    print("| shape | T | kernel | cuBLAS | policy |\n| --- | --- | --- | --- | --- |")
-    for r in rows:
-        print(f"| {r['shape']} | {r['tokens']} | {r['kernel_us']} | {r['cublas_us']} | {r['policy']} |")
+    save_rows(args.out, meta, rows)
+    print_table(f"router GEMM, us per call ({meta['gpu']}), policy = the path the engine takes",
+                ["shape", "T", "kernel", "cuBLAS", "policy"],
+                [(r["shape"], r["tokens"], r["kernel_us"], r["cublas_us"], r["policy"]) for r in rows])
 
 
 if __name__ == "__main__":
