@@ -1,12 +1,14 @@
-"""Read-only probe for the T=1 gate/up: is its ~2.9 TB/s the weight access pattern or the math? Streams the gate/up
-bytes of 8 random experts (K2.6: 256 tiles x 112 chunks x (512 B words + 64 B scales) per expert, the layout of
-optimized/moe.py) three ways and reports TB/s (median over fresh expert sets):
+"""Read-only probe for the routed experts' gate/up: is its bandwidth the weight access pattern or the math? Streams
+the gate/up bytes of A random experts (default 8, T = 1's count; `--experts 152` is the K2.6 engine's count at 65
+rows; K2.6: 256 tiles x 112 chunks x (512 B words + 64 B scales) per expert, the layout of optimized/moe.py) three
+ways and reports TB/s (median over fresh expert sets):
   tile   one warp per 16-row tile, chunks in order, U chunks per register stage double-buffered (gemm_item's
          loads without the dequant and mma)
   tile2  the same with two warps per tile (each half of K)
   flat   the same bytes as 8 contiguous regions, grid-stride 16-byte loads, 4 in flight per thread
-    python bench/moe_read_probe.py
+    python bench/moe_read_probe.py [--experts A]
 """
+import argparse
 import os
 import sys
 
@@ -87,7 +89,11 @@ __global__ void __launch_bounds__(256) flat_read(const uint4* wq, const u32* ws,
 
 
 def main():
-    E, R, C, A = 384, 256, 112, 8
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experts", type=int, default=8, help="distinct experts per call (1..384)")
+    E, R, C, A = 384, 256, 112, ap.parse_args().experts
+    if not 1 <= A <= E:
+        ap.error(f"--experts must be in 1..{E}, got {A}")
     wq = torch.randint(-2**31, 2**31 - 1, (E, R, C, 32, 4), dtype=torch.int32, device="cuda")
     ws = torch.randint(-2**31, 2**31 - 1, (E, R, C, 16), dtype=torch.int32, device="cuda")
     nbytes = A * R * C * (512 + 64)
@@ -118,7 +124,7 @@ def main():
         us = median(event_times(fns)) * 1e6
         rows.append((f"flat_read {bps} blocks/SM", us))
         print(f"{rows[-1][0]:28s} {us:7.1f} us  {nbytes / us / 1e6:5.2f} TB/s", flush=True)
-    print(f"{nbytes / 1e6:.0f} MB per call (8 experts' gate/up words + scales)")
+    print(f"{nbytes / 1e6:.0f} MB per call ({A} experts' gate/up words + scales)")
 
 
 if __name__ == "__main__":
