@@ -21,6 +21,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "conformance"))
 sys.path.insert(0, os.path.dirname(__file__))                    # bench helpers (tree_plot)
 
 
+def graph_us(fn, calls: int = 20, reps: int = 15) -> float:
+    """Microseconds per call of fn: `calls` calls captured in one CUDA graph, the median of `reps` replays
+    (conformance/mla_cases.time_graph), as the A/B scripts time every path."""
+    import mla_cases
+    return mla_cases.time_graph([fn] * calls, reps=reps) * 1e6
+
+
 def save_rows(path, meta: dict, rows: list) -> None:
     """An A/B script's results as JSON {"meta", "rows"} at `path`: written whole (a temporary file renamed over
     it) or not at all. path None: nothing."""

@@ -18,8 +18,7 @@ sys.path.append(os.path.join(HERE, "..", "conformance"))      # mla_cases, test_
 
 import torch  # noqa: E402
 
-import mla_cases as mc  # noqa: E402
-from conftest import print_table, provenance_info, save_rows  # noqa: E402
+from conftest import graph_us, print_table, provenance_info, save_rows  # noqa: E402
 from optimized.greedy import argmax_rows  # noqa: E402
 from test_moe_kernels import copy_bandwidth  # noqa: E402
 
@@ -35,8 +34,8 @@ def main() -> None:
     for r, v in SHAPES:
         x = torch.randn(r, v, device="cuda").to(torch.bfloat16)
         assert torch.equal(argmax_rows(x), x.argmax(-1))
-        ours = mc.time_graph([lambda: argmax_rows(x)] * 20, reps=15) * 1e6
-        ref = mc.time_graph([lambda: x.argmax(-1)] * 20, reps=15) * 1e6
+        ours = graph_us(lambda: argmax_rows(x))
+        ref = graph_us(lambda: x.argmax(-1))
         rows.append(dict(rows=r, vocab=v, ours_us=round(ours, 2), torch_us=round(ref, 2),
                          floor_us=round(x.numel() * 2 / bw * 1e6, 2)))
     meta = dict(provenance_info(), copy_tbps=bw / 1e12)

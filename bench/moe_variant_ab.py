@@ -21,8 +21,7 @@ sys.path.append(os.path.join(HERE, "..", "conformance"))      # mla_cases
 
 import torch  # noqa: E402
 
-import mla_cases as mc  # noqa: E402
-from conftest import print_table, provenance_info, save_rows  # noqa: E402
+from conftest import graph_us, print_table, provenance_info, save_rows  # noqa: E402
 from optimized import moe as moe_k  # noqa: E402
 from optimized.synthetic import random_moe_weights  # noqa: E402
 
@@ -30,10 +29,6 @@ SHAPES = {"trained": dict(hidden_size=256, moe_intermediate_size=192, n_routed_e
                           tokens=(1, 8, 17, 33, 65, 129, 257)),
           "k26": dict(hidden_size=7168, moe_intermediate_size=2048, n_routed_experts=384, top_k=8,
                       tokens=(1, 17, 65))}
-
-
-def time_us(fn) -> float:
-    return mc.time_graph([fn] * 20, reps=15) * 1e6
 
 
 def routing(t: int, e: int, k: int, seed: int):
@@ -64,9 +59,9 @@ def main() -> None:
                 for fused in (False, True):
                     if fused and v[3] != 1:
                         continue
-                    times[f"{v}{' fused' if fused else ''}"] = time_us(
+                    times[f"{v}{' fused' if fused else ''}"] = graph_us(
                         lambda v=v, fused=fused: moe_k.moe_routed(x, idx, w, wts, variant=v, fused=fused))
-            policy = time_us(lambda: moe_k.moe_routed(x, idx, w, wts))
+            policy = graph_us(lambda: moe_k.moe_routed(x, idx, w, wts))
             best = min(times, key=times.get)
             rows.append(dict(shape=name, tokens=t, pairs=pairs, policy_us=round(policy, 2),
                              policy_variant=str(moe_k.pick_variant(t, s["top_k"], s["n_routed_experts"], True,

@@ -17,17 +17,11 @@ sys.path.append(os.path.join(HERE, "..", "conformance"))      # mla_cases
 
 import torch  # noqa: E402
 
-import mla_cases as mc  # noqa: E402
-from conftest import print_table, provenance_info, save_rows  # noqa: E402
+from conftest import graph_us, print_table, provenance_info, save_rows  # noqa: E402
 from optimized import moe as moe_k  # noqa: E402
 
 SHAPES = {"K2.6 (E 384, D 7168)": (384, 7168), "trained pair (E 16, D 256)": (16, 256)}
 TOKENS = (1, 17, 33, 65, 129, 257)
-
-
-def time_us(fn) -> float:
-    """us per call: 20 calls captured in one CUDA graph, median of 15 replays (conformance/mla_cases.time_graph)."""
-    return mc.time_graph([fn] * 20, reps=15) * 1e6
 
 
 def main() -> None:
@@ -39,8 +33,8 @@ def main() -> None:
         w = torch.randn(e, d, device="cuda") * d ** -0.5
         for t in TOKENS:
             x = torch.randn(t, d, device="cuda").to(torch.bfloat16)
-            k = time_us(lambda: moe_k.router_parts(x, w, path="kernel"))
-            c = time_us(lambda: moe_k.router_parts(x, w, path="cublas"))
+            k = graph_us(lambda: moe_k.router_parts(x, w, path="kernel"))
+            c = graph_us(lambda: moe_k.router_parts(x, w, path="cublas"))
             rows.append({"shape": name, "experts": e, "hidden": d, "tokens": t, "kernel_us": round(k, 2),
                          "cublas_us": round(c, 2), "policy": moe_k.router_path(x, w)})
     meta = dict(provenance_info(), router_kernel_max_t=moe_k.ROUTER_KERNEL_MAX_T,
