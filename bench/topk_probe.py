@@ -16,6 +16,7 @@ sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "conformance"
 from conftest import graph_us, print_table, save_rows  # noqa: E402
 from optimized import tree_numba as opt  # noqa: E402
 from test_tree_numba import event_median, logits  # noqa: E402
+from reference import tree as ref  # noqa: E402
 
 CASES = [("normal", 7, 16), ("normal", 15, 16), ("normal", 15, 256), ("draftlike", 15, 256), ("normal", 15, 1024)]
 
@@ -58,15 +59,17 @@ def main() -> None:
         stats()
         filt()
         torch.cuda.synchronize()
-        row = dict(kind=kind, L=depth, budget=budget, parts=ws.parts, chunk=ws.chunk, depth_max=int(tree.depths.max()))
+        want_lp, want_id = ref.ranked_candidates(x.cpu(), k)
+        same = bool(torch.equal(ws.top_id.cpu(), want_id) and torch.equal(ws.top_lp.cpu(), want_lp))
+        row = dict(kind=kind, L=depth, budget=budget, same_as_reference=same, threads=opt.TOPK_T, parts=ws.parts, chunk=ws.chunk, depth_max=int(tree.depths.max()))
         for name, fn in fns.items():
             row[f"{name}_single"] = round(event_median(fn, ahead=True) * 1e6, 1)
             row[f"{name}_graph"] = round(graph_us(fn), 1)
         rows.append(row)
     names = ["amax", "stats", "filter", "topk", "beam", "compile", "build", "build+compile"]
     print_table("us: single call (events) / per call in a 20-call graph",
-                ["kind", "L", "B", "parts"] + names,
-                [[r["kind"], r["L"], r["budget"], r["parts"]] + [f'{r[n + "_single"]} / {r[n + "_graph"]}'
+                ["kind", "L", "B", "T", "parts", "exact"] + names,
+                [[r["kind"], r["L"], r["budget"], r["threads"], r["parts"], r["same_as_reference"]] + [f'{r[n + "_single"]} / {r[n + "_graph"]}'
                                                                   for n in names] for r in rows])
     meta = dict(device=torch.cuda.get_device_name(), commit=os.environ.get("DDTREE_COMMIT", "?"))
     save_rows(args.out, meta, rows)

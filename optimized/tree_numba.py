@@ -31,7 +31,8 @@ from numba import cuda
 from .kernels.tree_beam import BMAX, beam_for
 from .kernels.tree_list import LIST_BMAX, MAX_DEPTH, list_for
 from .kernels.tree_device import SIM, WARP
-from .kernels.tree_topk import CAP, DIRECT, EPT, NB, PMAX, SORT_NA, TOPK_T, topk_filter, topk_stats
+from .kernels.tree_topk import (CAP, DIRECT, EPT, NB, PMAX, SORT_NA, TOPK_T, WAVE_BLOCKS, topk_filter,  # noqa: F401
+                                topk_stats)
 from .kernels.tree_verify import commit_kv, compile_rows, follow, gather_rows
 from reference.tree import CompiledTree, Tree, check_build_args, node_count
 
@@ -48,14 +49,13 @@ class Config:
                            #   0: never. DEFAULT_CONFIG: 32 (see LIST_DEFAULT)
 
 
-WAVE_BLOCKS = 4      # top-K blocks resident per SM (256 threads x 64 registers): the grid is at most one wave
 # The warp-list beam costs ~0.45 us a node whatever the depth; tree_beam ~5 us a depth (H100, tree_run11): the list
 # wins on deep (draft-like) trees up to budget 64 and loses on shallow ones and from W = 2 rows (budget > 64). In
 # the engine on the trained pair's real drafts its tree stage is faster at budgets 16 / 32 (0.044 / 0.054 ms
 # against 0.049 / 0.058) and slower at 64 (0.071 against 0.067), hence 32.
 LIST_DEFAULT = 32
 DEFAULT_CONFIG = (Config(16, 8, 16, 16, list_max=LIST_DEFAULT) if SIM
-                  else Config(256, 2048, 1024, 256, list_max=LIST_DEFAULT))
+                  else Config(TOPK_T, 2048, 1024, 256, list_max=LIST_DEFAULT))
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ exps (~3 us of FP64 issue over the GPU), a few thousand candidates; two launches
 from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shim)
 
 import math
+import os
 
 import numpy as np
 from numba import cuda
@@ -40,13 +41,20 @@ SHIFT0 = 20          # key >> SHIFT0 is the bin
 CAP = 64 if SIM else 4096   # candidates selected in shared memory (more: the whole-row path)
 PMAX = 128           # most chunks per row
 RB = 256             # radix bins of the final select (8-bit digits)
-EPT = 2 if SIM else 8    # values per thread per sub-chunk (a sub-chunk is T * EPT ids)
 DIRECT = 16 if SIM else 1024   # at most this many candidates: sorted whole, no radix select
-SORT_NA = 8 if SIM else 4   # register slots per thread of the final sort: topk_threads * SORT_NA >= max(DIRECT, K)
+
 LOW = 0xFFFFFFFF     # composite key: high word sortable(lp) - 2^31, low word LOW - id
 NEG = -(2 ** 63)     # sorts after every composite key
-TOPK_T = 256         # the block on the GPU (a compile-time constant there: strided loops need no division), with
-TOPK_JIT = dict(KERNEL) if SIM else dict(KERNEL, launch_bounds=(TOPK_T, 4))   # 4 blocks per SM: one wave
+# The block on the GPU (a compile-time constant there: strided loops need no division) and the blocks per SM that
+# keep the grid one wave (WAVE_BLOCKS, registers <= 64). DDTREE_TOPK_THREADS (256, 512, 1024; read at import) is an
+# A/B knob for bench/topk_probe.py: fewer, larger blocks give the final sort of the row's last block more threads.
+TOPK_T = int(os.environ.get("DDTREE_TOPK_THREADS", "256"))
+if TOPK_T not in (256, 512, 1024):
+    raise ValueError(f"DDTREE_TOPK_THREADS must be 256, 512 or 1024, got {TOPK_T}")
+WAVE_BLOCKS = 1024 // TOPK_T
+EPT = 2 if SIM else max(4, 2048 // TOPK_T)   # values per thread per sub-chunk (a sub-chunk is T * EPT ids)
+SORT_NA = 8 if SIM else 1024 // TOPK_T   # register slots per thread of the final sort: T * SORT_NA >= max(DIRECT, K)
+TOPK_JIT = dict(KERNEL) if SIM else dict(KERNEL, launch_bounds=(TOPK_T, WAVE_BLOCKS))   # one wave
 sort_keys = pair_sort(SORT_NA, keyed=False)   # composite keys are distinct
 
 
