@@ -32,8 +32,8 @@ import os
 import numpy as np
 from numba import cuda
 
-from .tree_device import (DEVICE, EXP_TAB, KERNEL, LP_FLOOR, SIM, TBUF, WARP, block_scan, exp_le0, grid_log_prob,
-                          key_value, pair_sort, shfl_xor, sortable_key)
+from .tree_device import (DEVICE, EXP_TAB, KERNEL, LP_FLOOR, SIM, TBUF, WARP, ballot, block_scan, exp_le0,
+                          grid_log_prob, key_value, pair_sort, shfl_idx, shfl_xor, sortable_key)
 
 NB = 4096            # digit-0 histogram bins: the top 12 bits of the 32-bit sortable key
 NB1 = NB + 1
@@ -249,6 +249,7 @@ def radix_select(keys, n, k, row_x, row, ls, whole, bins, tmp, buf, shr):
 def topk_filter(x, vocab, chunk, k, lse, sel, counters, cand, top_lp, top_id):
     p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
     T = cuda.blockDim.x if SIM else TOPK_T
+    lane = tid % WARP
     nparts = cuda.gridDim.x
     keys = cuda.shared.array(CAP, np.int64)
     comp = cuda.shared.array(1, np.int32)                   # the sort's companions: unused (keyed=False)
@@ -276,9 +277,18 @@ def topk_filter(x, vocab, chunk, k, lse, sel, counters, cand, top_lp, top_id):
             if T * EPT < lim:
                 load_values(xr, base + T * EPT, lim - T * EPT, nxt)
             for j in range(EPT):
+                # one atomic per warp and value slot: lane `lead` reserves the warp's candidates, each takes its
+                # rank among them (same-address atomics per candidate serialize at K = 1024: ~1-2k per row)
                 i = base + j * T + tid
-                if np.float64(vals[j]) >= cut:           # padding is -inf, cut is finite
-                    slot = cuda.atomic.add(counters, (row, 0), 1)
+                take = np.float64(vals[j]) >= cut        # padding is -inf, cut is finite
+                bal = ballot(take, buf)
+                lead = cuda.popc(bal ^ (bal - 1)) - 1 if bal != 0 else 0
+                got = 0
+                if bal != 0 and lane == lead:
+                    got = cuda.atomic.add(counters, (row, 0), cuda.popc(bal))
+                got = shfl_idx(got, lead, buf)
+                if take:
+                    slot = got + cuda.popc(bal & ((np.int64(1) << lane) - 1))
                     if slot < CAP:
                         cand[row, slot] = composite(vals[j], i, ls)
     cuda.threadfence()
