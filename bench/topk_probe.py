@@ -13,7 +13,7 @@ import sys
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "conformance")]
+sys.path[:0] = [HERE, os.path.join(HERE, ".."), os.path.join(HERE, "..", "conformance")]
 from conftest import graph_us, print_table, save_rows  # noqa: E402
 from optimized import tree_numba as opt  # noqa: E402
 from test_tree_numba import event_median, logits  # noqa: E402
