@@ -9,8 +9,7 @@ Times (CUDA events, warm-up, median of 100; extra_info, microseconds):
   topk_device_us, beam_device_us, compile_device_us: the stages alone (device execution); beam: tree_beam's
   beam_list_device_us, device_list_us: the warp-list beam (tree_list.py, Config.list_max) alone, and the whole
              path with it, at budgets up to LIST_BMAX (list_same_tree: it built the same tree)
-  device_us  the default path (build_compiled_tree: top-K, then the beam with the compile in its launch;
-             DEFAULT_CONFIG: the list beam up to budget LIST_DEFAULT), device execution only:
+  device_us  the default path (DEFAULT_CONFIG: the list beam up to budget LIST_DEFAULT), device execution only:
              a spin kernel is queued first so the CPU has issued every launch before the GPU starts (the
              engine's case: the CPU runs ahead of the GPU)
   graph_us   one replay of the path captured in a CUDA graph (graph_error says why when capture fails)
@@ -115,8 +114,7 @@ def test_tree_device_path(benchmark, provenance, depth, budget, kind):
                graph_us=None if graph is None else graph * 1e6,
                graph_error=graph_error, reference_us=reference * 1e6, ratio_eager=reference / eager,
                ratio_device=reference / device, ratio_graph=None if graph is None else reference / graph,
-               goal_us=40 if budget <= 256 else 100, floor_us=depth * VOCAB * 4 / 4.24e12 * 1e6,
-               topk_threads=opt.TOPK_T)
+               goal_us=40 if budget <= 256 else 100, floor_us=depth * VOCAB * 4 / 4.24e12 * 1e6)
     benchmark.extra_info.update(row)
     ROWS.append(row)
     _write_summary(info)

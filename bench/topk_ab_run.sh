@@ -1,24 +1,22 @@
 #!/usr/bin/env bash
-# One GPU call for the top-K block-size A/B (issue 5): bench/topk_probe.py at DDTREE_TOPK_THREADS = 256 and 1024,
+# One GPU call for the top-K block-size A/B (issue 5): bench/topk_probe.py at DDTREE_TOPK_THREADS = 256, 1024, 512,
 # then the tree GPU conformance and the tree bench at the block size whose whole build was fastest (summed over the
-# probe's cases), the engine's GPU conformance (its tree stage runs build_compiled_tree), then an ncu profile of
-# the top-K kernels (L = 15, budget 256, normal logits) at that size.
+# probe's cases), then an ncu profile of the top-K kernels (L = 15, budget 256, normal logits) at that size.
 # Usage (repository root, on the GPU machine; DDTREE_COMMIT where .git is stale): OUT=dir bash bench/topk_ab_run.sh
-# Writes $OUT/{probe_<T>.{txt,json},best_threads.txt,tree_tests.txt,tree_bench.txt,tree_<date>.*,engine_tests.txt,
-# ncu_*}.
+# Writes $OUT/{probe_<T>.{txt,json},best_threads.txt,tree_tests.txt,tree_bench.txt,tree_<date>.*,ncu_*}.
 set -u
 OUT=${OUT:-/tmp/topk_ab}
 mkdir -p "$OUT"
 export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-dev} PYTHONDONTWRITEBYTECODE=1 DDTREE_BENCH_OUT=$OUT
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
-for T in 256 1024; do
+for T in 256 1024 512; do
   DDTREE_TOPK_THREADS=$T timeout 150 python3 bench/topk_probe.py --out "$OUT/probe_$T.json" > "$OUT/probe_$T.txt" 2>&1
   echo "probe T=$T rc=$?"
 done
 best=$(python3 - "$OUT" <<'PY'
 import json, os, sys
 out, best = sys.argv[1], None
-for t in (256, 1024):
+for t in (256, 1024, 512):
     p = os.path.join(out, f"probe_{t}.json")
     if not os.path.exists(p):
         continue
@@ -38,9 +36,6 @@ DDTREE_TOPK_THREADS=$best timeout ${TEST_TIMEOUT:-170} python3 -m pytest conform
 echo "conformance rc=$?"; grep -E "passed|failed|FAILED" "$OUT/tree_tests.txt" | tail -4
 DDTREE_TOPK_THREADS=$best timeout ${BENCH_TIMEOUT:-170} python3 -m pytest bench/test_bench_tree.py $q > "$OUT/tree_bench.txt" 2>&1
 echo "bench rc=$?"
-DDTREE_TOPK_THREADS=$best timeout ${ENGINE_TIMEOUT:-150} python3 -m pytest conformance/test_engine.py -m gpu $q -rP \
-  > "$OUT/engine_tests.txt" 2>&1
-echo "engine conformance rc=$?"; grep -E "passed|failed|FAILED" "$OUT/engine_tests.txt" | tail -3
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 DDTREE_TOPK_THREADS=$best DDTREE_NUMBA_LINEINFO=1 timeout ${NCU_TIMEOUT:-100} "$NCU" --kernel-name regex:'topk' \
   --launch-skip 6 --launch-count 2 --set full --import-source no -f -o /tmp/tk python3 bench/tree_profile.py 15 256 normal \
@@ -48,5 +43,5 @@ DDTREE_TOPK_THREADS=$best DDTREE_NUMBA_LINEINFO=1 timeout ${NCU_TIMEOUT:-100} "$
 echo "ncu rc=$?"
 "$NCU" -i /tmp/tk.ncu-rep --page details --csv > "$OUT/ncu_details.csv" 2>&1
 "$NCU" -i /tmp/tk.ncu-rep --page source --csv --print-source sass > "$OUT/ncu_sass.csv" 2>&1
-for T in 256 1024; do tail -7 "$OUT/probe_$T.txt"; done
+for T in 256 1024 512; do tail -7 "$OUT/probe_$T.txt"; done
 tail -18 "$OUT"/tree_*.md 2>/dev/null

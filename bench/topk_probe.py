@@ -1,7 +1,6 @@
 """Probe: where the GPU tree build's time goes, per kernel and per timer. For each (kind, L, budget) it times
 torch.amax over the logits (a one-kernel read of the same bytes), the top-K's two launches alone and together,
-the beam, compile_tree, the whole build_tree, build + compile as two calls, and build_compiled_tree (the compile
-inside the beam's launch), with both timers the project uses:
+the beam, compile_tree and the whole build_tree, with both timers the project uses:
   single  one call between CUDA events after a spin kernel (the tree bench's `device` column)
   graph   20 calls captured in one CUDA graph, median of 15 replays, per call (the A/B scripts' rule)
 The difference between the two is the per-call launch and event overhead that a kernel boundary costs.
@@ -56,7 +55,6 @@ def main() -> None:
             "compile": lambda: opt.compile_tree(tree, 1, 100),
             "build": lambda: opt.build_tree(x, budget),
             "build+compile": lambda: opt.compile_tree(opt.build_tree(x, budget), 1, 100),
-            "fused": lambda: opt.build_compiled_tree(x, budget, 1, 100),
         }
         stats()
         filt()
@@ -68,7 +66,7 @@ def main() -> None:
             row[f"{name}_single"] = round(event_median(fn, ahead=True) * 1e6, 1)
             row[f"{name}_graph"] = round(graph_us(fn), 1)
         rows.append(row)
-    names = ["amax", "stats", "filter", "topk", "beam", "compile", "build", "build+compile", "fused"]
+    names = ["amax", "stats", "filter", "topk", "beam", "compile", "build", "build+compile"]
     print_table("us: single call (events) / per call in a 20-call graph",
                 ["kind", "L", "B", "T", "parts", "exact"] + names,
                 [[r["kind"], r["L"], r["budget"], r["threads"], r["parts"], r["same_as_reference"]] + [f'{r[n + "_single"]} / {r[n + "_graph"]}'

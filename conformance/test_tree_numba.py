@@ -74,9 +74,8 @@ def assert_same_topk(opt, draft: torch.Tensor, budget: int, what: str) -> None:
     assert torch.equal(got_lp, lp), f"{what}: top-K log-probs differ"
 
 
-def check_compile(opt, tree: ref.Tree, root: int, start: int, got=None) -> None:
-    """opt.compile_tree (or `got`, a compiled tree made otherwise: build_compiled_tree) against the reference."""
-    got = opt.compile_tree(tree, root, start) if got is None else got
+def check_compile(opt, tree: ref.Tree, root: int, start: int) -> None:
+    got = opt.compile_tree(tree, root, start)
     want = ref.compile_tree(ref.Tree(*(getattr(tree, f).cpu() for f in ("tokens", "depths", "parents",
                                                                          "scores"))), root, start)
     for field in ("ids", "positions", "parents", "depths", "visibility"):
@@ -157,9 +156,8 @@ def graph_median(fn, reps: int = 100) -> float:
 
 
 def device_path(opt, x: torch.Tensor, budget: int, start: int = 1000, config=None):
-    """Draft logits on the device -> compiled tree on the device (build_compiled_tree: top-K, then the beam with
-    the compile in its launch)."""
-    return lambda: opt.build_compiled_tree(x, budget, 0, start, config=config)
+    """Draft logits on the device -> compiled tree on the device."""
+    return lambda: opt.compile_tree(opt.build_tree(x, budget, config=config), 0, start)
 
 
 def reference_path_time(x: torch.Tensor, budget: int, reps: int = 15) -> float:
@@ -215,8 +213,7 @@ kernels = {
     "commit_kv": (V.commit_kv, (A(i16, 2), i64, A(i64, 1), A(i64, 1))),
     "gather_rows": (V.gather_rows, (A(i16, 2), A(i64, 1), A(i64, 1), A(i16, 2))),
 }
-beam_sig = ((A(f32, 2), A(i64, 2), i64, i64) + (A(i64, 1),) * 3 + (A(f64, 1), A(i64, 1))
-            + (i64, A(i64, 1), i64, i64) + (A(i64, 1),) * 4 + (A(types.boolean, 2), A(i32, 2)))   # + fused compile
+beam_sig = (A(f32, 2), A(i64, 2), i64, i64) + (A(i64, 1),) * 3 + (A(f64, 1), A(i64, 1))
 for budget in (16, 32, 64, 128, 256, 512, 1024):       # every beam variant the launcher picks
     kernel, threads = B.beam_for(budget, 1024)
     kernels[f"beam_T{threads}"] = (kernel, beam_sig)
@@ -322,34 +319,6 @@ def test_sim_list_beam_matches_reference(sim, kind, depth, vocab, budget):
     x = logits(kind, depth, vocab, 11)
     got = sim.build_tree(x, budget, config=cfg, check_values=True)
     assert_same_tree(got, ref.build_tree(x, budget), f"list beam {kind} L={depth} V={vocab} B={budget}")
-
-
-def check_build_compiled(opt, x: torch.Tensor, budget: int, config, what: str) -> None:
-    """build_compiled_tree = (build_tree, compile_tree) = the reference, with the root as an int and as a device
-    tensor, and with bits written into a caller's buffer (nothing outside its rows)."""
-    want = ref.build_tree(x.cpu(), budget)
-    tree, compiled = opt.build_compiled_tree(x, budget, 9, 4, config=config)
-    assert_same_tree(tree, want, what)
-    check_compile(opt, tree, 9, 4, got=compiled)
-    rows, words = tree.n + 1, (tree.n + 32) // 32
-    buf = torch.full((rows + 2, words), -7, dtype=torch.int32, device=x.device)
-    root = torch.tensor([9], device=x.device)
-    _, into = opt.build_compiled_tree(x, budget, root, 4, bits_out=buf[1:rows + 1], config=config)
-    assert into.visibility_bits.data_ptr() == buf[1].data_ptr()
-    assert torch.equal(buf[1:rows + 1], compiled.visibility_bits) and torch.equal(into.ids, compiled.ids)
-    assert (buf[0] == -7).all() and (buf[rows + 1] == -7).all(), "bits written outside the caller's rows"
-
-
-@sim_only
-@pytest.mark.parametrize("kind, depth, vocab, budget", [("normal", 3, 8, 10), ("draftlike", 4, 6, 9),
-                                                        ("equal", 2, 4, 20), ("normal", 1, 40, 33),
-                                                        ("peaked", 3, 5, 0)])
-@pytest.mark.parametrize("beam", ["tree_beam", "list"])
-def test_sim_build_compiled_tree(sim, kind, depth, vocab, budget, beam):
-    """The beam's fused compile (both beams), including the empty tree (budget 0: the root row alone)."""
-    from optimized.kernels import tree_list
-    cfg = sim.Config(8, 64, 8, 8, list_max=tree_list.LIST_BMAX if beam == "list" else 0)
-    check_build_compiled(sim, logits(kind, depth, vocab, 5), budget, cfg, f"{beam} {kind} L={depth} B={budget}")
 
 
 @sim_only
@@ -479,18 +448,6 @@ def test_gpu_list_beam_matches_reference(gpu, kind, depth, vocab, budget, seed):
     x = logits(kind, depth, vocab, seed, device="cuda")
     got = gpu.build_tree(x, budget, config=cfg, check_values=True)
     assert_same_tree(got, ref.build_tree(x, budget), f"list beam {kind} L={depth} V={vocab} B={budget}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("budget, list_max", [(1, None), (16, None), (32, 0), (64, None), (256, 256), (256, None),
-                                              (1024, None)])
-@pytest.mark.parametrize("kind", ["normal", "draftlike"])
-def test_gpu_build_compiled_tree(gpu, budget, list_max, kind):
-    """build_compiled_tree (the compile inside the beam's launch) at full shapes, both beams (list_max None: the
-    default, 0: tree_beam, 256: the warp-list beam)."""
-    cfg = gpu.DEFAULT_CONFIG if list_max is None else dataclasses.replace(gpu.DEFAULT_CONFIG, list_max=list_max)
-    x = logits(kind, 15, FULL_V, budget, device="cuda")
-    check_build_compiled(gpu, x, budget, cfg, f"fused {kind} B={budget} list_max={list_max}")
 
 
 @pytest.mark.gpu

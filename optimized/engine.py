@@ -154,9 +154,6 @@ class _TorchOps:
         bits_out.copy_(pack_visibility(ct.visibility))
         return ct.ids, ct.depths, ct.parents
 
-    def build_compiled(self, logits: torch.Tensor, budget: int, root: torch.Tensor, bits_out: torch.Tensor):
-        return self.compile(self.build_tree(logits, budget), root, bits_out)
-
     def follow(self, ids, parents, choices):
         acc, bonus = torch_follow(CompiledTree(ids, ids, parents, ids, None, 0), choices)
         out = torch.full_like(ids, -1)
@@ -201,12 +198,6 @@ class _CudaOps:
 
     def compile(self, tree: Tree, root: torch.Tensor, bits_out: torch.Tensor):
         ct = self._tree.compile_tree(tree, root, 0, bits_out=bits_out)
-        return ct.ids, ct.depths, ct.parents
-
-    def build_compiled(self, logits: torch.Tensor, budget: int, root: torch.Tensor, bits_out: torch.Tensor):
-        """build_tree + compile in two launches (the compile inside the beam's)."""
-        _, ct = self._tree.build_compiled_tree(logits.float(), budget, root, 0, bits_out=bits_out,
-                                               config=self.tree_config)
         return ct.ids, ct.depths, ct.parents
 
     def follow(self, ids, parents, choices):
@@ -711,17 +702,13 @@ class Engine:
                 torch.zeros(n, 1, dtype=torch.long, device=dev), torch.full((n, 1), -1, dtype=torch.long, device=dev),
                 torch.ones(n, 4, 1, dtype=torch.int32, device=dev)))
             return
-        # every request's tree has the same size: chain_tree's depth + 1 rows, or node_count(depth, K, budget) + 1
-        steps, vocab = r.logits_d[0].shape
-        t = (steps if mode == "chain" else node_count(steps, min(budget, vocab), budget)) + 1
+        trees = [chain_tree(r.logits_d[j]) if mode == "chain" else self.ops.build_tree(r.logits_d[j], budget)
+                 for j in range(n)]
+        t = trees[0].n + 1
         w = -(-t // 32)
         # the packed visibility: compile writes each request's t rows in place; the pad rows stay zero
         r.bits = self._static(("bits", n, t), lambda: torch.zeros(n, _pad4(t), w, dtype=torch.int32, device=dev))
-        if mode == "chain":
-            parts = [self.ops.compile(chain_tree(r.logits_d[j]), b.bonus[j:j + 1], r.bits[j, :t]) for j in range(n)]
-        else:
-            parts = [self.ops.build_compiled(r.logits_d[j], budget, b.bonus[j:j + 1], r.bits[j, :t])
-                     for j in range(n)]
+        parts = [self.ops.compile(tree, b.bonus[j:j + 1], r.bits[j, :t]) for j, tree in enumerate(trees)]
         r.ids, r.depths, r.parents = (_stack([p[k] for p in parts]) for k in range(3))
 
     def _static(self, key, make: Callable):

@@ -153,7 +153,6 @@ class _Workspace:
         self.top_lp = torch.empty(depth, k, dtype=torch.float32, **z)
         self.top_id = torch.empty(depth, k, dtype=torch.int64, **z)
         self.count = torch.zeros(1, dtype=torch.int64, **z)
-        self.no_compile = None   # _no_compile's placeholders, made on first use
         names = ("part_m", "part_s", "lse", "hist", "done", "sel", "counters", "cand", "top_lp", "top_id", "count")
         self.a = {name: _arr(getattr(self, name)) for name in names}
 
@@ -180,58 +179,19 @@ def _topk_stage(x, vocab: int, k: int, ws: _Workspace, cfg: Config, s) -> None:
                               a["top_id"])
 
 
-def _beam_stage(k: int, budget: int, ws: _Workspace, cfg: Config, s, tokens, depths, parents, scores,
-                fused: Optional[tuple] = None) -> None:
+def _beam_stage(k: int, budget: int, ws: _Workspace, cfg: Config, s, tokens, depths, parents, scores) -> None:
     """One launch: the first `budget` nodes in order into tokens/depths/parents/scores [budget]. Budgets up to
     cfg.list_max: the warp-list beam (one warp); else tree_beam's, in a block of the budget rounded up to a power
-    of two (at least a warp), at most cfg.beam_threads threads. fused: _compile_args(...) of a compile_tree that
-    the same launch then does (build_compiled_tree); None: no compile (the arguments are placeholders)."""
+    of two (at least a warp), at most cfg.beam_threads threads."""
     a = ws.a
     beam, threads = list_for(budget) if budget <= cfg.list_max else beam_for(budget, cfg.beam_threads)
-    comp = (1,) + fused if fused is not None else (0,) + _no_compile(ws)
     beam[1, threads, s](a["top_lp"], a["top_id"], k, budget, _arr(tokens), _arr(depths), _arr(parents),
-                        _arr(scores), a["count"], *comp)
-
-
-def _no_compile(ws: _Workspace) -> tuple:
-    """Placeholder compile arguments of a beam launch without the fused compile (typed like the real ones)."""
-    if ws.no_compile is None:
-        dev = ws.top_id.device
-        one = lambda: _arr(torch.zeros(1, dtype=torch.long, device=dev))  # noqa: E731
-        ws.no_compile = (one(), -1, 0, one(), one(), one(), one(),
-                         _arr(torch.zeros(1, 1, dtype=torch.bool, device=dev)),
-                         _arr(torch.zeros(1, 1, dtype=torch.int32, device=dev)))
-    return ws.no_compile
+                                 _arr(scores), a["count"])
 
 
 def build_tree(draft_logits: torch.Tensor, budget: int, *, check_values: bool = False,
                config: Optional[Config] = None) -> Tree:
     """reference.tree.build_tree on the GPU. check_values also rejects NaN/+inf logits (a host sync)."""
-    return _build(draft_logits, budget, check_values, config, None)
-
-
-def build_compiled_tree(draft_logits: torch.Tensor, budget: int, root_token: Union[int, torch.Tensor], start: int, *,
-                        bits_out: Optional[torch.Tensor] = None, check_values: bool = False,
-                        config: Optional[Config] = None) -> tuple[Tree, PackedCompiledTree]:
-    """compile_tree(build_tree(draft_logits, budget), root_token, start) with the compile done by the beam's own
-    launch (one kernel boundary fewer: top-K, then beam + compile). Same outputs, same arguments as the two
-    calls; for an engine that compiles every tree it builds."""
-    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-        raise ValueError(f"start must be a non-negative int, got {start!r}")
-    holder = {}
-
-    def fused(n, device):
-        holder["outs"] = _compile_outputs(n, device, root_token, bits_out)
-        return _compile_args(holder["outs"], start)
-
-    tree = _build(draft_logits, budget, check_values, config, fused)
-    if "outs" not in holder:                    # an empty tree (budget 0 or L = 0): the root row alone
-        return tree, compile_tree(tree, root_token, start, bits_out=bits_out)
-    return tree, _compiled(holder["outs"], start)
-
-
-def _build(draft_logits, budget, check_values, config, fused) -> Tree:
-    """build_tree; fused(n, device) -> the beam's compile arguments, or None (no compile)."""
     check_build_args(draft_logits, budget, values=check_values)
     _require(draft_logits)
     depth, vocab = draft_logits.shape
@@ -256,7 +216,7 @@ def _build(draft_logits, budget, check_values, config, fused) -> Tree:
     depths = torch.empty(budget, dtype=torch.long, device=device)
     parents = torch.empty(budget, dtype=torch.long, device=device)
     scores = torch.empty(budget, dtype=torch.float64, device=device)
-    _beam_stage(k, budget, ws, cfg, s, tokens, depths, parents, scores, None if fused is None else fused(n, device))
+    _beam_stage(k, budget, ws, cfg, s, tokens, depths, parents, scores)
     if check_values and int(ws.count.item()) != n:
         raise RuntimeError(f"GPU tree build produced {int(ws.count.item())} nodes, expected {n}")
     return Tree(tokens=tokens[:n], depths=depths[:n], parents=parents[:n], scores=scores[:n])
@@ -270,19 +230,8 @@ def compile_tree(tree: Tree, root_token: Union[int, torch.Tensor], start: int, *
     if isinstance(start, bool) or not isinstance(start, int) or start < 0:
         raise ValueError(f"start must be a non-negative int, got {start!r}")
     _require(tree.tokens)
-    outs = _compile_outputs(tree.n, tree.tokens.device, root_token, bits_out, tree.tokens)
-    rows, words = outs[-1].shape
-    threads = 128
-    blocks = -(-rows * words // threads)
-    compile_rows[blocks, threads, _stream(tree.tokens.device)](
-        _arr(tree.tokens.long().contiguous()), _arr(tree.depths.long().contiguous()),
-        _arr(tree.parents.long().contiguous()), *_compile_args(outs, start))
-    return _compiled(outs, start)
-
-
-def _compile_outputs(n: int, device, root_token, bits_out, placeholder: Optional[torch.Tensor] = None) -> tuple:
-    """compile_tree's checked root and new output tensors for n nodes: (root, root_val, ids, positions, parents,
-    depths, vis, bits). root_val -1: the root token is read from the device tensor `root`."""
+    n = tree.n
+    device = tree.tokens.device
     rows, words = n + 1, (n + 32) // 32
     if bits_out is not None and (bits_out.dtype != torch.int32 or tuple(bits_out.shape) != (rows, words)
                                  or not bits_out.is_contiguous() or bits_out.device != device):
@@ -294,22 +243,19 @@ def _compile_outputs(n: int, device, root_token, bits_out, placeholder: Optional
         root_val = int(root_token)
         if root_val < 0:
             raise ValueError(f"root_token must be a non-negative token id, got {root_val}")
-        root = placeholder if placeholder is not None else torch.zeros(1, dtype=torch.long, device=device)  # unused
-    new = lambda: torch.empty(rows, dtype=torch.long, device=device)  # noqa: E731
+        root = tree.tokens   # unused (any int64 array)
+    ids = torch.empty(rows, dtype=torch.long, device=device)
+    positions = torch.empty(rows, dtype=torch.long, device=device)
+    parents = torch.empty(rows, dtype=torch.long, device=device)
+    depths = torch.empty(rows, dtype=torch.long, device=device)
+    vis = torch.empty(rows, rows, dtype=torch.bool, device=device)
     bits = torch.empty(rows, words, dtype=torch.int32, device=device) if bits_out is None else bits_out
-    return (root, root_val, new(), new(), new(), new(), torch.empty(rows, rows, dtype=torch.bool, device=device),
-            bits)
-
-
-def _compile_args(outs: tuple, start: int) -> tuple:
-    """The kernels' compile arguments: root_arr, root_val, start, ids, positions, parents, depths, vis, bits."""
-    root, root_val, ids, positions, parents, depths, vis, bits = outs
-    return (_arr(root), root_val, start, _arr(ids), _arr(positions), _arr(parents), _arr(depths), _arr(vis),
-            _arr(bits))
-
-
-def _compiled(outs: tuple, start: int) -> PackedCompiledTree:
-    _, _, ids, positions, parents, depths, vis, bits = outs
+    threads = 128
+    blocks = -(-rows * words // threads)
+    compile_rows[blocks, threads, _stream(device)](
+        _arr(tree.tokens.long().contiguous()), _arr(tree.depths.long().contiguous()),
+        _arr(tree.parents.long().contiguous()), _arr(root), root_val, start, _arr(ids), _arr(positions), _arr(parents),
+        _arr(depths), _arr(vis), _arr(bits))
     return PackedCompiledTree(ids=ids, positions=positions, parents=parents, depths=depths, visibility=vis,
                               start=start, visibility_bits=bits)
 

@@ -36,7 +36,7 @@ from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shi
 import numpy as np
 from numba import cuda
 
-from .tree_device import DEVICE, SIM, TBUF, WARP, block_scan, compile_word, n_first, pair_sort
+from .tree_device import DEVICE, SIM, TBUF, WARP, block_scan, n_first, pair_sort
 
 BMAX = 64 if SIM else 1024        # largest budget (and K)
 BMAX1 = BMAX + 1
@@ -88,8 +88,7 @@ def _make_beam(T, GA, NA):
     sort_new = pair_sort(NA)
 
     @cuda.jit(**jit)
-    def beam(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n, fuse, root_arr, root_val, start,
-             ids, positions, par_out, dep_out, vis, bits):
+    def beam(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
         tid = cuda.threadIdx.x
         gq = cuda.shared.array(CAPB, np.int64)          # G: scores, aux, depths, in order
         gaux = cuda.shared.array(CAPB, np.int32)
@@ -357,21 +356,11 @@ def _make_beam(T, GA, NA):
         for i in range(tid, m, T):                       # output in order
             aux = gaux[i]
             d = np.int64(gdep[i])
-            par = (aux >> 20) + 1 if d > 1 else 0
             out_tok[i] = top_id[d - 1, (aux >> 10) & M10]
             out_dep[i] = d
-            out_par[i] = par
+            out_par[i] = (aux >> 20) + 1 if d > 1 else 0
             out_score[i] = np.float64(gq[i]) / SCALE
-            off[i + 1] = par                             # free after the loop: node -> parent for the compile
         if tid == 0:
             out_n[0] = m
-        if fuse != 0:                                    # compile_tree in the same launch
-            cuda.syncthreads()                           # off and out_tok / out_dep visible to the block
-            rows = ids.shape[0]
-            words = bits.shape[1]
-            for g in range(tid, rows * words, T):
-                i = g // words
-                compile_word(i, g - i * words, rows, words, off, out_tok, out_dep, root_arr, root_val, start, ids,
-                             positions, par_out, dep_out, vis, bits)
 
     return beam

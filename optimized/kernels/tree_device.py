@@ -321,34 +321,3 @@ def pair_sort(NA, keyed=True):
 
     _pair_sorts[(NA, keyed)] = sort
     return sort
-
-
-@cuda.jit(**DEVICE)
-def compile_word(i, w, rows, words, sp, tokens, depths, root_arr, root_val, start, ids, positions, par_out, dep_out,
-                 vis, bits):
-    """compile_tree's output for (row i, word w) of a tree of `rows` rows: word w of row i's packed visibility and
-    its 32 booleans; for w = 0 also row i's id, position, parent and depth. sp[j]: parent of node j >= 1 (any
-    array readable by the thread); tokens / depths: the Tree's arrays (node j is entry j - 1). Used by
-    tree_verify.compile_rows and by the beams' fused compile (build_compiled_tree)."""
-    if w == 0:
-        if i == 0:
-            ids[0] = root_arr[0] if root_val < 0 else root_val
-            positions[0] = start
-            par_out[0] = -1
-            dep_out[0] = 0
-        else:
-            ids[i] = tokens[i - 1]
-            positions[i] = start + depths[i - 1]
-            par_out[i] = sp[i]
-            dep_out[i] = depths[i - 1]
-    word = np.int64(0)
-    j = np.int64(i)
-    while j >= 0:                        # i, its parent, ..., the root
-        if j // 32 == w:
-            word |= np.int64(1) << (j % 32)
-        j = np.int64(sp[j]) if j > 0 else np.int64(-1)
-    bits[i, w] = np.int32(word - (np.int64(1) << 32) if word >= (np.int64(1) << 31) else word)
-    for b in range(32):
-        col = w * 32 + b
-        if col < rows:
-            vis[i, col] = (word >> b) & 1 == 1

@@ -27,7 +27,7 @@ import numpy as np
 from numba import cuda
 
 from .tree_beam import PAD_Q, SCALE, q_of
-from .tree_device import DEVICE, SIM, TBUF, WARP, ballot, compile_word, shfl_idx, warp_sync
+from .tree_device import DEVICE, SIM, TBUF, WARP, ballot, shfl_idx, warp_sync
 
 MAX_DEPTH = 15                    # most depths (tree_numba.build_tree checks; the aux's depth has 4 bits)
 LIST_BMAX = 64 if SIM else 256    # largest budget: W = LIST_BMAX / (2 * WARP) rows (simulator: 8 rows of 4 lanes)
@@ -96,8 +96,7 @@ def _make_list(W):
     jit = {} if SIM else {"launch_bounds": WARP}
 
     @cuda.jit(**jit)
-    def beam_list(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n, fuse, root_arr, root_val,
-                  start, ids, positions, par_out, dep_out, vis, bits):
+    def beam_list(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
         lane = cuda.threadIdx.x
         lps = cuda.shared.array(NLP, np.float32)     # lp by (depth, rank)
         npar = cuda.shared.array(NMAX, np.int16)                 # taken node -> parent node, own rank, depth,
@@ -207,13 +206,5 @@ def _make_list(W):
             out_score[i] = np.float64(nsc[i + 1]) / SCALE
         if lane == 0:
             out_n[0] = count
-        if fuse != 0:                                            # compile_tree in the same launch
-            warp_sync()                                          # out_tok / out_dep visible to the whole warp
-            rows = ids.shape[0]
-            words = bits.shape[1]
-            for g in range(lane, rows * words, WARP):
-                i = g // words
-                compile_word(i, g - i * words, rows, words, npar, out_tok, out_dep, root_arr, root_val, start, ids,
-                             positions, par_out, dep_out, vis, bits)
 
     return beam_list

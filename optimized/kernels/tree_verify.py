@@ -20,7 +20,7 @@ import numpy as np
 from numba import cuda
 
 from .tree_beam import BMAX1 as ROWS_MAX   # budget + 1 rows at most
-from .tree_device import KERNEL, compile_word
+from .tree_device import KERNEL
 
 
 @cuda.jit(**KERNEL)
@@ -36,8 +36,29 @@ def compile_rows(tokens, depths, parents, root_arr, root_val, start, ids, positi
     if g >= rows * words:
         return
     i = g // words
-    compile_word(i, g - i * words, rows, words, sp, tokens, depths, root_arr, root_val, start, ids, positions,
-                 par_out, dep_out, vis, bits)
+    w = g - i * words
+    if w == 0:
+        if i == 0:
+            ids[0] = root_arr[0] if root_val < 0 else root_val
+            positions[0] = start
+            par_out[0] = -1
+            dep_out[0] = 0
+        else:
+            ids[i] = tokens[i - 1]
+            positions[i] = start + depths[i - 1]
+            par_out[i] = sp[i]
+            dep_out[i] = depths[i - 1]
+    word = np.int64(0)
+    j = np.int64(i)
+    while j >= 0:                        # i, its parent, ..., the root
+        if j // 32 == w:
+            word |= np.int64(1) << (j % 32)
+        j = np.int64(sp[j]) if j > 0 else np.int64(-1)
+    bits[i, w] = np.int32(word - (np.int64(1) << 32) if word >= (np.int64(1) << 31) else word)
+    for b in range(32):
+        col = w * 32 + b
+        if col < rows:
+            vis[i, col] = (word >> b) & 1 == 1
 
 
 @cuda.jit(**KERNEL)
