@@ -114,7 +114,8 @@ def test_tree_device_path(benchmark, provenance, depth, budget, kind):
                graph_us=None if graph is None else graph * 1e6,
                graph_error=graph_error, reference_us=reference * 1e6, ratio_eager=reference / eager,
                ratio_device=reference / device, ratio_graph=None if graph is None else reference / graph,
-               goal_us=40 if budget <= 256 else 100, floor_us=depth * VOCAB * 4 / 4.24e12 * 1e6)
+               goal_us=40 if budget <= 256 else 100, floor_us=depth * VOCAB * 4 / 4.24e12 * 1e6,
+               topk_threads=opt.TOPK_T)
     benchmark.extra_info.update(row)
     ROWS.append(row)
     _write_summary(info)

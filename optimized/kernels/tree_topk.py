@@ -46,9 +46,11 @@ DIRECT = 16 if SIM else 1024   # at most this many candidates: sorted whole, no 
 LOW = 0xFFFFFFFF     # composite key: high word sortable(lp) - 2^31, low word LOW - id
 NEG = -(2 ** 63)     # sorts after every composite key
 # The block on the GPU (a compile-time constant there: strided loops need no division) and the blocks per SM that
-# keep the grid one wave (WAVE_BLOCKS, registers <= 64). DDTREE_TOPK_THREADS (256, 512, 1024; read at import) is an
-# A/B knob for bench/topk_probe.py: fewer, larger blocks give the final sort of the row's last block more threads.
-TOPK_T = int(os.environ.get("DDTREE_TOPK_THREADS", "256"))
+# keep the grid one wave (WAVE_BLOCKS, registers <= 64). 1024: the row's last block sorts its candidates with a
+# thread per key; bench/results/tree_run14/probe_*.md (H100): top-K 38.7 / 51.6 / 74.0 us at L = 15, K = 16 / 256
+# / 1024 against 42.8 / 63.3 / 94.7 with 256 threads, the same at L = 7. DDTREE_TOPK_THREADS (256, 512, 1024; read
+# at import) keeps the A/B possible (bench/topk_probe.py, bench/topk_ab_run.sh).
+TOPK_T = int(os.environ.get("DDTREE_TOPK_THREADS", "1024"))
 if TOPK_T not in (256, 512, 1024):
     raise ValueError(f"DDTREE_TOPK_THREADS must be 256, 512 or 1024, got {TOPK_T}")
 WAVE_BLOCKS = 1024 // TOPK_T
