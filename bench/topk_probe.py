@@ -33,17 +33,17 @@ def main() -> None:
         tree = opt.build_tree(x, budget)
         ws = opt._workspace(x.device, depth, x.shape[1], k, budget, cfg)
         xa = opt._arr(x)
-        s = opt._stream(x.device)
         a = ws.a
         grid = (ws.parts, depth)
+        s = lambda: opt._stream(x.device)   # noqa: E731  (the current stream when called: graph capture sees it)
 
         def stats():
-            opt.topk_stats[grid, cfg.topk_threads, s](xa, x.shape[1], ws.chunk, k, a["part_m"], a["part_s"],
-                                                      a["lse"], a["hist"], a["done"], a["sel"])
+            opt.topk_stats[grid, cfg.topk_threads, s()](xa, x.shape[1], ws.chunk, k, a["part_m"], a["part_s"],
+                                                        a["lse"], a["hist"], a["done"], a["sel"])
 
         def filt():
-            opt.topk_filter[grid, cfg.topk_threads, s](xa, x.shape[1], ws.chunk, k, a["lse"], a["sel"],
-                                                       a["counters"], a["cand"], a["top_lp"], a["top_id"])
+            opt.topk_filter[grid, cfg.topk_threads, s()](xa, x.shape[1], ws.chunk, k, a["lse"], a["sel"],
+                                                         a["counters"], a["cand"], a["top_lp"], a["top_id"])
 
         outs = [torch.empty(budget, dtype=t, device="cuda") for t in (torch.long,) * 3 + (torch.float64,)]
         fns = {
@@ -51,7 +51,7 @@ def main() -> None:
             "stats": stats,
             "filter": filt,
             "topk": lambda: (stats(), filt()),
-            "beam": lambda: opt._beam_stage(k, budget, ws, cfg, s, *outs),
+            "beam": lambda: opt._beam_stage(k, budget, ws, cfg, s(), *outs),
             "compile": lambda: opt.compile_tree(tree, 1, 100),
             "build": lambda: opt.build_tree(x, budget),
             "build+compile": lambda: opt.compile_tree(opt.build_tree(x, budget), 1, 100),

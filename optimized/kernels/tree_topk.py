@@ -47,7 +47,7 @@ LOW = 0xFFFFFFFF     # composite key: high word sortable(lp) - 2^31, low word LO
 NEG = -(2 ** 63)     # sorts after every composite key
 # The block on the GPU (a compile-time constant there: strided loops need no division) and the blocks per SM that
 # keep the grid one wave (WAVE_BLOCKS, registers <= 64). 1024: the row's last block sorts its candidates with a
-# thread per key; bench/results/tree_run14/probe_*.md (H100): top-K 38.7 / 51.6 / 74.0 us at L = 15, K = 16 / 256
+# thread per key; bench/results/tree_run14/README.md (H100): top-K 38.7 / 51.6 / 74.0 us at L = 15, K = 16 / 256
 # / 1024 against 42.8 / 63.3 / 94.7 with 256 threads, the same at L = 7. DDTREE_TOPK_THREADS (256, 512, 1024; read
 # at import) keeps the A/B possible (bench/topk_probe.py, bench/topk_ab_run.sh).
 TOPK_T = int(os.environ.get("DDTREE_TOPK_THREADS", "1024"))
