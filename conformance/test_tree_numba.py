@@ -245,6 +245,27 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     assert out.count(" ok ") == 15, out
 
 
+@pytest.mark.parametrize("value, ok", [("1024", True), ("256", True), ("300", False), ("2048", False)])
+def test_topk_threads_knob(value, ok):
+    """DDTREE_TOPK_THREADS (the top-K block size, read at import) takes 256, 512 or 1024 and rejects anything else
+    with a message that names it. Under the simulator (no GPU needed), in a fresh interpreter."""
+    if SIM_CHILD:
+        pytest.skip("runs in the parent process")
+    pytest.importorskip("numba_cuda", reason="numba-cuda is not installed (pip install numba-cuda)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", DDTREE_TOPK_THREADS=value,
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    code = "from optimized.kernels import tree_topk as K; print(K.TOPK_T, K.WAVE_BLOCKS, K.TOPK_T * K.WAVE_BLOCKS)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    if ok:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        t, _, per_sm = proc.stdout.split()
+        assert (int(t), int(per_sm)) == (int(value), 1024)
+    else:
+        assert proc.returncode != 0 and "DDTREE_TOPK_THREADS must be 256, 512 or 1024" in proc.stderr, proc.stderr
+
+
 sim_only = pytest.mark.skipif(not SIM_CHILD, reason="runs inside test_simulator_suite's subprocess")
 
 

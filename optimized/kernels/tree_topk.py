@@ -42,7 +42,6 @@ CAP = 64 if SIM else 4096   # candidates selected in shared memory (more: the wh
 PMAX = 128           # most chunks per row
 RB = 256             # radix bins of the final select (8-bit digits)
 DIRECT = 16 if SIM else 1024   # at most this many candidates: sorted whole, no radix select
-
 LOW = 0xFFFFFFFF     # composite key: high word sortable(lp) - 2^31, low word LOW - id
 NEG = -(2 ** 63)     # sorts after every composite key
 # The block on the GPU (a compile-time constant there: strided loops need no division) and the blocks per SM that
