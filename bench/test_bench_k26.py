@@ -1,8 +1,9 @@
 """The engine at Kimi K2.6 widths on one GPU (issues 8 and 9): random weights (optimized.synthetic), hidden 7168,
 64-head MLA (kv_lora 512 + rope 64), 384 INT4 experts top-8 + 1 shared, vocab 163,840, the K2.6 DFlash drafter
 (6 layers at 7168), and as many target layers as fit the GPU (DDTREE_K26_LAYERS, default: ~10 GB a layer plus
-~10 GB of embedding, lm_head and drafter, at most 12: 12 on an H200, 6 on an 80 GB H100). Prefix 4096 tokens; per-round device time by stage (one CUDA graph per stage) for ar and ddtree
-budgets 4..64; the drafter is random, so rounds commit one token: the figures are latencies, not throughput.
+~10 GB of embedding, lm_head and drafter, at most 12: 12 on an H200, 6 on an 80 GB H100). Prefix 4096 tokens;
+per-round device time by stage (one CUDA graph per stage) for ar and ddtree budgets 4..64; the drafter is random,
+so rounds commit one token: the figures are latencies, not throughput.
 
 Floors per verify, from the copy bandwidth and the bf16 matmul rate measured on the running card at the start
 (GPU.md's H200 figures: 4.24 TB/s, 787 TFLOP/s), summed over its kernels, each the max of

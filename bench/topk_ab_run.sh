@@ -34,11 +34,13 @@ q="-q -p no:cacheprovider --tb=short"
 DDTREE_TOPK_THREADS=$best timeout ${TEST_TIMEOUT:-170} python3 -m pytest conformance/test_tree_numba.py -k gpu $q -rP \
   > "$OUT/tree_tests.txt" 2>&1
 echo "conformance rc=$?"; grep -E "passed|failed|FAILED" "$OUT/tree_tests.txt" | tail -4
-DDTREE_TOPK_THREADS=$best timeout ${BENCH_TIMEOUT:-170} python3 -m pytest bench/test_bench_tree.py $q > "$OUT/tree_bench.txt" 2>&1
+DDTREE_TOPK_THREADS=$best timeout ${BENCH_TIMEOUT:-170} python3 -m pytest bench/test_bench_tree.py $q \
+  > "$OUT/tree_bench.txt" 2>&1
 echo "bench rc=$?"
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 DDTREE_TOPK_THREADS=$best DDTREE_NUMBA_LINEINFO=1 timeout ${NCU_TIMEOUT:-100} "$NCU" --kernel-name regex:'topk' \
-  --launch-skip 6 --launch-count 2 --set full --import-source no -f -o /tmp/tk python3 bench/tree_profile.py 15 256 normal \
+  --launch-skip 6 --launch-count 2 --set full --import-source no -f -o /tmp/tk \
+  python3 bench/tree_profile.py 15 256 normal \
   > "$OUT/ncu_run.log" 2>&1
 echo "ncu rc=$?"
 "$NCU" -i /tmp/tk.ncu-rep --page details --csv > "$OUT/ncu_details.csv" 2>&1

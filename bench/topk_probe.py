@@ -61,7 +61,8 @@ def main() -> None:
         torch.cuda.synchronize()
         want_lp, want_id = ref.ranked_candidates(x.cpu(), k)
         same = bool(torch.equal(ws.top_id.cpu(), want_id) and torch.equal(ws.top_lp.cpu(), want_lp))
-        row = dict(kind=kind, L=depth, budget=budget, same_as_reference=same, threads=opt.TOPK_T, parts=ws.parts, chunk=ws.chunk, depth_max=int(tree.depths.max()))
+        row = dict(kind=kind, L=depth, budget=budget, same_as_reference=same, threads=opt.TOPK_T, parts=ws.parts,
+                   chunk=ws.chunk, depth_max=int(tree.depths.max()))
         for name, fn in fns.items():
             row[f"{name}_single"] = round(event_median(fn, ahead=True) * 1e6, 1)
             row[f"{name}_graph"] = round(graph_us(fn), 1)
@@ -69,8 +70,8 @@ def main() -> None:
     names = ["amax", "stats", "filter", "topk", "beam", "compile", "build", "build+compile"]
     print_table("us: single call (events) / per call in a 20-call graph",
                 ["kind", "L", "B", "T", "parts", "exact"] + names,
-                [[r["kind"], r["L"], r["budget"], r["threads"], r["parts"], r["same_as_reference"]] + [f'{r[n + "_single"]} / {r[n + "_graph"]}'
-                                                                  for n in names] for r in rows])
+                [[r["kind"], r["L"], r["budget"], r["threads"], r["parts"], r["same_as_reference"]]
+                 + [f'{r[n + "_single"]} / {r[n + "_graph"]}' for n in names] for r in rows])
     meta = dict(device=torch.cuda.get_device_name(), commit=os.environ.get("DDTREE_COMMIT", "?"))
     save_rows(args.out, meta, rows)
 

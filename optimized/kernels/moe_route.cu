@@ -223,9 +223,9 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(
 // (the launcher gives every pass its own block: at the trained pair's D = 256 a 16-token pass takes ~6 us, its
 // tokens' butterflies one after another, so side by side T = 17..257 all take ~6 us; router_ab.md). Thread
 // (warp, lane): float4 columns lane + 32c of the slice, c < ROUTER_CMAX, for its 2 experts: loaded once, all at
-// once, and kept in registers for the block's tokens. A pass stages its x slice in shared memory (every load in flight together), then each thread
-// adds its columns' products per (expert, token) in column order, and a butterfly adds the lanes. Every output
-// is the same sum in the same order whatever the grid.
+// once, and kept in registers for the block's tokens. A pass stages its x slice in shared memory (every load in
+// flight together), then each thread adds its columns' products per (expert, token) in column order, and a
+// butterfly adds the lanes. Every output is the same sum in the same order whatever the grid.
 // Memory: W 11 MB once (2.6 us at 4.24 TB/s), x's slices cross L2 E/16 times (T = 65: 22 MB). FMAs: T x E x D
 // (T = 65: ~6 us of the GPU's fp32 rate). cuBLAS took 7.5 / 20.7 / 22 us at T = 1 / 17 / 65
 // (bench/results/engine_run11); a first version of this kernel that waited for its W loads column step by column
