@@ -93,6 +93,17 @@ if SIM:
     def f64_from_bits(b):
         """The fp64 value of an int64 bit pattern."""
         return np.array([b], dtype=np.int64).view(np.float64)[0]
+
+    @cuda.jit(**DEVICE)
+    def f64_lo_bits(x):
+        """The low 32 bits of an fp64 value's bit pattern, as a signed int32 value."""
+        return np.int64(np.array([np.int64(np.array([x], dtype=np.float64).view(np.int64)[0]) & 0xFFFFFFFF],
+                                 dtype=np.int64).astype(np.int32)[0])
+
+    @cuda.jit(**DEVICE)
+    def f64_from_hi(h):
+        """The fp64 value whose high 32 bits are h and low 32 bits are 0."""
+        return np.array([np.int64(h) << 32], dtype=np.int64).view(np.float64)[0]
 else:
     @cuda.jit(device=True, inline=True)
     def shfl_up(x, off, buf):
@@ -125,6 +136,14 @@ else:
     @cuda.jit(device=True, inline=True)
     def f64_from_bits(b):
         return cuda.libdevice.longlong_as_double(np.int64(b))
+
+    @cuda.jit(device=True, inline=True)
+    def f64_lo_bits(x):
+        return cuda.libdevice.double2loint(x)
+
+    @cuda.jit(device=True, inline=True)
+    def f64_from_hi(h):
+        return cuda.libdevice.hiloint2double(np.int32(h), np.int32(0))
 
 
 @cuda.jit(**DEVICE)
@@ -187,16 +206,19 @@ def exp_le0(d, tab):
     """exp(d) in fp64 for d <= 0 (0 below -700, where it is below 1e-304), within 2 ulp (4e-16 relative, measured
     against 50-digit decimals; libdevice's exp: 1 ulp) in about a third of libdevice's instructions: d = (64 k + j)
     ln2/64 + r with |r| <= ln2/128 (Cody-Waite), exp(r) by a degree-5 Taylor polynomial (truncation < 4e-17),
-    times 2^(j/64) from tab (EXP_TAB in shared memory) and 2^k built from its bits."""
-    if not d > -700.0:
-        return 0.0
-    kf = (d * EXP_INV + RINT_MAGIC) - RINT_MAGIC
-    r = d - kf * EXP_HI
+    times 2^(j/64) from tab (EXP_TAB in shared memory) and 2^k built from its bits. Branch-free (the -700 test
+    is a select at the end) and without an fp64-to-integer conversion: t = d * 64/ln2 + 1.5 * 2^52 holds the
+    rounded k in the low 32 bits of its mantissa."""
+    dc = max(d, -700.0)
+    t = dc * EXP_INV + RINT_MAGIC
+    kf = t - RINT_MAGIC
+    k = f64_lo_bits(t)                                      # kf as an int32: -64630 <= k <= 0
+    r = dc - kf * EXP_HI
     r = r - kf * EXP_LO
     p = 1.0 + r * (1.0 + r * (0.5 + r * (0.16666666666666666 + r * (0.041666666666666664
                                                                   + r * 0.008333333333333333))))
-    k = np.int64(kf)
-    return tab[k & 63] * p * f64_from_bits(((k >> 6) + 1023) << 52)
+    e = tab[k & 63] * p * f64_from_hi(((k >> 6) + 1023) << 20)
+    return e if d > -700.0 else 0.0
 
 
 @cuda.jit(**DEVICE)

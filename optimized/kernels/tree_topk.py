@@ -14,15 +14,18 @@ Two launches:
                   its composite key (sortable(lp) - 2^31) << 32 | (2^32 - 1 - id) -- larger is better, unique -- goes
                   to the row's candidate list. The last block of the row sorts up to DIRECT candidates whole
                   (tree_device.pair_sort: a bitonic network in registers and shuffles); more than that, it
-                  radix-selects the K-th largest composite key (8 passes of 8 bits over at most CAP keys), compacts
-                  the K keys above it and sorts those. It writes lp and ids. When the candidates overflow CAP
+                  radix-selects the K-th largest composite key (8-bit digits, from the first digit in which the
+                  keys differ until the chosen bin holds one key; at most CAP keys), compacts the K keys above it
+                  and sorts those. It writes lp and ids. When the candidates overflow CAP
                   (tie-heavy rows: equal, integer, collapsing logits) or lo(b) is not usable (-inf, the -2^21
                   floor), the same select runs over the whole row, recomputing each token's key per pass (exact,
                   slow, tie-heavy rows only).
 Exactness: lp(x) = grid(fp32(x - lse)) is non-decreasing in x, so every token with lp >= lp_K (lp_K the
 log-prob of the K-th largest logit x_K >= lo(b)) has x >= lo(b) - band; the candidates therefore hold the top K.
-Napkin: V = 163,840, L = 15: the logits are 9.8 MB (read from HBM once, then from the 60 MB L2 once), 2.5 M fp64
-exps (~3 us of FP64 issue over the GPU), a few thousand candidates; two launches.
+Per logit (sm_90 SASS): stats ~5 integer instructions for the bin, one shared atomic, ~14 fp64 for the exp (no
+branch, no fp64-to-int conversion); filter one fp32 compare and a warp vote (whole sub-chunks load from one address
+with constant offsets). Napkin: V = 163,840, L = 15: the logits are 9.8 MB (read from HBM once, then from the 60 MB
+L2 once), 2.5 M fp64 exps (~3 us of FP64 issue over the GPU), a few thousand candidates; two launches.
 """
 from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shim)
 
@@ -33,11 +36,13 @@ import numpy as np
 from numba import cuda
 
 from .tree_device import (DEVICE, EXP_TAB, KERNEL, LP_FLOOR, SIM, TBUF, WARP, ballot, block_scan, exp_le0,
-                          grid_log_prob, key_value, pair_sort, shfl_idx, shfl_xor, sortable_key)
+                          f32_bits, grid_log_prob, key_value, pair_sort, shfl_idx, shfl_xor,
+                          sortable_key)
 
 NB = 4096            # digit-0 histogram bins: the top 12 bits of the 32-bit sortable key
 NB1 = NB + 1
 SHIFT0 = 20          # key >> SHIFT0 is the bin
+assert NB == 1 << (32 - SHIFT0)   # hist_bin's flips
 CAP = 64 if SIM else 4096   # candidates selected in shared memory (more: the whole-row path)
 PMAX = 128           # most chunks per row
 RB = 256             # radix bins of the final select (8-bit digits)
@@ -62,11 +67,27 @@ sort_keys = pair_sort(SORT_NA, keyed=False)   # composite keys are distinct
 @cuda.jit(**DEVICE)
 def load_values(xr, base, lim, vals):
     """This thread's EPT logits of the sub-chunk at `base` of the row xr: vals[j] = xr[base + j * T + tid] where
-    j * T + tid < lim, else -inf (padding: no max, no exp, no candidate). Unsigned indices: no wraparound code."""
+    j * T + tid < lim, else -inf (padding: no max, no exp, no candidate). A whole sub-chunk (every chunk's but the
+    row's last) loads without predicates from one address plus constant offsets; before, each predicated load
+    recomputed its 64-bit address (~10 instructions a load)."""
     T = cuda.blockDim.x if SIM else TOPK_T
-    for j in range(EPT):                                    # constant trip count: unrolled
-        o = j * T + cuda.threadIdx.x
-        vals[j] = xr[np.uint32(base + o)] if o < lim else np.float32(-math.inf)
+    if lim >= T * EPT:
+        o = np.uint64(base + cuda.threadIdx.x)              # unsigned: no negative-index wraparound code
+        for j in range(EPT):                                # constant trip count: unrolled
+            vals[j] = xr[o + np.uint64(j * T)]
+    else:
+        for j in range(EPT):
+            o = j * T + cuda.threadIdx.x
+            vals[j] = xr[np.uint32(base + o)] if o < lim else np.float32(-math.inf)
+
+
+@cuda.jit(**DEVICE)
+def hist_bin(v):
+    """sortable_key(v) >> SHIFT0 (the top 12 bits of the key) from the unsigned 32 bits u of v: the key is u with
+    its sign bit set (v >= 0) or all bits flipped (v < 0), so the bin is u >> 20 with bit 11 or all 12 bits
+    flipped. Unsigned: the arithmetic stays in 32 bits."""
+    u = np.uint32(f32_bits(v))
+    return (u >> np.uint32(SHIFT0)) ^ (np.uint32(NB - 1) if (u >> np.uint32(31)) != 0 else np.uint32(NB // 2))
 
 
 @cuda.jit(**DEVICE)
@@ -173,13 +194,14 @@ def topk_stats(x, vocab, chunk, k, part_m, part_s, lse, hist, done, sel):
         if T * EPT < lim:
             load_values(xr, base + T * EPT, lim - T * EPT, nxt)
         mt = np.float32(-math.inf)
+        full = lim >= T * EPT
         for j in range(EPT):                     # padding counts in the spare bin NB (a masked token, -inf, is real)
             mt = max(mt, vals[j])
-            b = np.uint32(sortable_key(vals[j]) >> SHIFT0) if j * T + tid < lim else np.uint32(NB)
+            b = hist_bin(vals[j]) if full or j * T + tid < lim else np.uint32(NB)
             cuda.atomic.add(sh, b, 1)
         mn = max(m, np.float64(mt))
         if mn > -math.inf:
-            s *= math.exp(m - mn) if m > -math.inf else 0.0
+            s *= exp_le0(m - mn, tab) if m > -math.inf else 0.0
             for j in range(EPT):
                 s += exp_le0(np.float64(vals[j]) - mn, tab)     # 0 for -inf: masked tokens and padding
             m = mn
@@ -223,13 +245,40 @@ def topk_stats(x, vocab, chunk, k, part_m, part_s, lse, hist, done, sel):
 
 @cuda.jit(**DEVICE)
 def radix_select(keys, n, k, row_x, row, ls, whole, bins, tmp, buf, shr):
-    """The k-th largest of n distinct int64 keys (keys[:n] in shared memory, or -- whole=True -- the composite
-    keys of the whole row row_x[row, :n], recomputed per pass). 8 passes of 8 bits, most significant first."""
+    """The k-th largest of n >= 2 distinct int64 keys (keys[:n] in shared memory, or -- whole=True -- the composite
+    keys of the whole row row_x[row, :n], recomputed per pass). Passes of 8 bits, most significant first, from the
+    first digit in which the keys differ (keys in shared memory: the candidates lie in one bin and a band, so their
+    top digits agree); it stops at the first pass whose chosen bin holds a single key (then one more scan finds
+    it). Normal logits: 2-4 passes of the 8 there were."""
     tid = cuda.threadIdx.x
     T = cuda.blockDim.x if SIM else TOPK_T
+    lane = tid % WARP
+    d0 = 0
     prefix = np.int64(0)        # the selected top digits of u = key ^ sign (unsigned order), 8 per pass
+    if not whole:
+        x0 = keys[0]
+        acc = np.int64(0)
+        for i in range(tid, n, T):
+            acc |= keys[i] ^ x0
+        off = 1
+        while off < WARP:
+            acc |= shfl_xor(acc, off, buf)
+            off *= 2
+        if tid == 0:
+            shr[0] = 0
+        cuda.syncthreads()
+        if lane == 0 and acc != 0:
+            cuda.atomic.or_(shr, 0, acc)
+        cuda.syncthreads()
+        acc = shr[0]                                 # nonzero: n >= 2 distinct keys
+        cuda.syncthreads()
+        hi = np.uint32((acc >> 32) & 0xFFFFFFFF)
+        top = 63 - cuda.clz(hi) if hi != 0 else 31 - cuda.clz(np.uint32(acc & 0xFFFFFFFF))   # highest differing bit
+        d0 = (63 - top) // 8
+        if d0 > 0:
+            prefix = ((x0 ^ np.int64(NEG)) >> (64 - 8 * d0)) & ((np.int64(1) << (8 * d0)) - 1)
     kk = np.int64(k)
-    for d in range(8):
+    for d in range(d0, 8):
         shift = 56 - 8 * d
         high = np.int64(1) << (8 * d)
         for i in range(tid, RB, T):
@@ -238,11 +287,22 @@ def radix_select(keys, n, k, row_x, row, ls, whole, bins, tmp, buf, shr):
         for i in range(tid, n, T):
             key = composite(row_x[row, i], i, ls) if whole else keys[i]
             u = key ^ np.int64(NEG)
-            if d == 0 or ((u >> (shift + 8)) & (high - 1)) == prefix:
+            if d == d0 or ((u >> (shift + 8)) & (high - 1)) == prefix:
                 cuda.atomic.add(bins, (u >> shift) & 0xFF, 1)
         cuda.syncthreads()
         b, kk = find_bin(bins, RB, kk, tmp, buf, shr)
         prefix = (prefix << 8) | b
+        alone = bins[b] == 1
+        cuda.syncthreads()                           # every thread has read bins[b] before the next pass clears it
+        if alone:                                    # the k-th key is the one key with these top 8 (d + 1) bits
+            for i in range(tid, n, T):
+                key = composite(row_x[row, i], i, ls) if whole else keys[i]
+                if ((key ^ np.int64(NEG)) >> shift) & ((high << 8) - 1) == prefix:
+                    shr[0] = key
+            cuda.syncthreads()
+            key = shr[0]
+            cuda.syncthreads()
+            return key
     return prefix ^ np.int64(NEG)
 
 
@@ -265,6 +325,9 @@ def topk_filter(x, vocab, chunk, k, lse, sel, counters, cand, top_lp, top_id):
     lo_lp = grid_log_prob(lo_x, ls)
     whole = sel[row, 1] > CAP or not (lo_lp > LP_FLOOR) or not (abs(lo_x) < math.inf)
     cut = np.float64(lo_x) - (abs(np.float64(lo_x) - ls) + 1.0) * 4.76837158203125e-07   # 2^-21 band
+    # an fp32 threshold at or below cut (within a few ulps: a candidate more or less is harmless, a missed one
+    # is not): x >= cut implies x >= cut32, compared in fp32 (no fp64 conversion per logit)
+    cut32 = np.float32(cut - (abs(cut) * 2.384185791015625e-07 + 1e-30))
     if not whole:
         xr = x[row]
         lo = p * chunk
@@ -280,18 +343,20 @@ def topk_filter(x, vocab, chunk, k, lse, sel, counters, cand, top_lp, top_id):
             for j in range(EPT):
                 # one atomic per warp and value slot: lane `lead` reserves the warp's candidates, each takes its
                 # rank among them (same-address atomics per candidate serialize at K = 1024: ~1-2k per row)
-                i = base + j * T + tid
-                take = np.float64(vals[j]) >= cut        # padding is -inf, cut is finite
+                # (bal is warp-uniform: a warp without candidates, nearly all of them, skips the rest; the
+                # simulator's twins need every thread, so there it never skips)
+                take = vals[j] >= cut32                  # padding is -inf, cut32 is finite
                 bal = ballot(take, buf)
-                lead = cuda.popc(bal ^ (bal - 1)) - 1 if bal != 0 else 0
-                got = 0
-                if bal != 0 and lane == lead:
-                    got = cuda.atomic.add(counters, (row, 0), cuda.popc(bal))
-                got = shfl_idx(got, lead, buf)
-                if take:
-                    slot = got + cuda.popc(bal & ((np.int64(1) << lane) - 1))
-                    if slot < CAP:
-                        cand[row, slot] = composite(vals[j], i, ls)
+                if SIM or bal != 0:
+                    lead = cuda.popc(bal ^ (bal - 1)) - 1 if bal != 0 else 0
+                    got = 0
+                    if bal != 0 and lane == lead:
+                        got = cuda.atomic.add(counters, (row, 0), cuda.popc(bal))
+                    got = shfl_idx(got, lead, buf)
+                    if take:
+                        slot = got + cuda.popc(bal & ((np.int64(1) << lane) - 1))
+                        if slot < CAP:
+                            cand[row, slot] = composite(vals[j], base + j * T + tid, ls)
     cuda.threadfence()
     cuda.syncthreads()
     if tid == 0:
