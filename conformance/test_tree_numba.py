@@ -384,6 +384,49 @@ def test_sim_exp_le0_accuracy():
 
 
 @sim_only
+def test_sim_radix_select_from_the_first_differing_digit():
+    """tree_topk.radix_select over distinct keys in shared memory returns the k-th largest for every k, whichever
+    digit the keys first differ in (it skips the digits they share and stops once its bin holds one key): keys
+    sharing 0-60 top bits, negative and positive, clustered (as real candidates are) and spread."""
+    import numpy as np
+    from numba import cuda
+    from optimized.kernels import tree_topk as K
+    from optimized.kernels.tree_device import TBUF
+
+    # built in a namespace of its own: the simulator swaps the kernel's *global* `cuda` for its fake module
+    src = """
+def select(keys_in, k, out):
+    keys = cuda.shared.array(64, np.int64)
+    bins = cuda.shared.array(K.RB, np.int32)
+    tmp = cuda.shared.array(32, np.int64)
+    buf = cuda.shared.array(TBUF, np.int64)
+    shr = cuda.shared.array(2, np.int64)
+    n = keys_in.shape[0]
+    for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+        keys[i] = keys_in[i]
+    cuda.syncthreads()
+    key = K.radix_select(keys, n, k, keys_in, 0, 0.0, False, bins, tmp, buf, shr)
+    if cuda.threadIdx.x == 0:
+        out[0] = key
+"""
+    ns = {"cuda": cuda, "np": np, "K": K, "TBUF": TBUF}
+    exec(src, ns)
+    select = cuda.jit(ns["select"])
+
+    rng = np.random.default_rng(7)
+    for shared_bits, n in ((0, 40), (8, 33), (13, 64), (29, 50), (40, 17), (56, 9), (60, 5)):
+        for sign in (1, -1):
+            top = (np.int64(sign) * np.int64(rng.integers(1, 2 ** 30))) << np.int64(33)
+            mask = (1 << (64 - shared_bits)) - 1 if shared_bits else -1
+            keys = np.unique((top & ~np.int64(mask)) | (rng.integers(0, 2 ** 62, size=n, dtype=np.int64) & mask))
+            order = np.sort(keys)[::-1]
+            for k in sorted({1, 2, len(keys) // 2, len(keys) - 1, len(keys)}):
+                out = np.zeros(1, np.int64)
+                select[1, 16](keys, k, out)
+                assert out[0] == order[k - 1], (shared_bits, sign, k)
+
+
+@sim_only
 def test_sim_root_only_and_limits(sim):
     assert sim.build_tree(torch.randn(3, 5), 0).n == 0
     assert sim.build_tree(torch.zeros(0, 5), 4).n == 0
