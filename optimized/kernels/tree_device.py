@@ -97,8 +97,7 @@ if SIM:
     @cuda.jit(**DEVICE)
     def f64_lo_bits(x):
         """The low 32 bits of an fp64 value's bit pattern, as a signed int32 value."""
-        return np.int64(np.array([np.int64(np.array([x], dtype=np.float64).view(np.int64)[0]) & 0xFFFFFFFF],
-                                 dtype=np.int64).astype(np.int32)[0])
+        return np.int64(np.array([x], dtype=np.float64).view(np.int32)[0])    # little-endian: word 0 is low
 
     @cuda.jit(**DEVICE)
     def f64_from_hi(h):
