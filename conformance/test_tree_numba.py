@@ -219,6 +219,7 @@ for budget in (16, 32, 64, 128, 256, 512, 1024):       # every beam variant the 
     kernels[f"beam_T{threads}"] = (kernel, beam_sig)
 for budget in (64, 128, 256):                          # every warp-list variant: 1, 2, 4 register rows
     kernels[f"beam_list_B{budget}"] = (Lst.list_for(budget)[0], beam_sig)
+kernels["beam_auto"] = (Lst.auto_for(32)[0], beam_sig)
 for name, (kernel, sig) in kernels.items():
     ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
     print(name, "ok", len(ptx))
@@ -242,7 +243,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
         pytest.skip("no NVVM/NVRTC to compile with (install the CUDA toolkit or nvidia-cuda-nvrtc): "
                     + out.strip().splitlines()[-1][:200])
     assert proc.returncode == 0, out[-3000:]
-    assert out.count(" ok ") == 15, out
+    assert out.count(" ok ") == 16, out
 
 
 @pytest.mark.parametrize("value, ok", [("1024", True), ("256", True), ("300", False), ("2048", False)])
@@ -381,6 +382,43 @@ def test_sim_exp_le0_accuracy():
     assert worst <= 4.5e-16, worst
     assert exp_le0(0.0, EXP_TAB) == 1.0
     assert exp_le0(-700.5, EXP_TAB) == 0.0 and exp_le0(-math.inf, EXP_TAB) == 0.0
+
+
+@sim_only
+@pytest.mark.parametrize("kind", ["normal", "peaked", "draftlike"])
+def test_sim_auto_beam_picks_by_depth(sim, kind):
+    """Budgets up to a warp (4 lanes here) run tree_list.auto_for: `shallow` (read by a one-warp kernel) is true
+    exactly when the reference tree is at most 2 deep (tie-free logits: the ties are only a speed matter), and the
+    tree is the reference's on either branch."""
+    import numpy as np
+    from numba import cuda
+    from optimized.kernels import tree_list
+    from optimized.kernels.tree_device import TBUF, WARP
+    src = """
+def probe(top_lp, k, budget, out):
+    buf = cuda.shared.array(TBUF, np.int64)
+    v = L.shallow(top_lp, k, budget, buf)
+    if cuda.threadIdx.x == 0:
+        out[0] = 1 if v else 0
+"""
+    ns = {"cuda": cuda, "np": np, "L": tree_list, "TBUF": TBUF}
+    exec(src, ns)
+    probe = cuda.jit(ns["probe"])
+    built = {}
+    for seed in range(6):
+        for depth in (1, 3, 5):
+            x = logits(kind, depth, 9, seed)
+            for budget in range(1, WARP + 1):
+                want = ref.build_tree(x, budget)
+                top_lp, _ = ref.ranked_candidates(x, budget)
+                out = np.zeros(1, np.int64)
+                probe[1, WARP](top_lp.numpy(), top_lp.shape[1], budget, out)
+                deep = int(want.depths.max()) > 2
+                assert bool(out[0]) == (not deep), (kind, seed, depth, budget)
+                if deep not in built and budget == WARP:      # the whole build, once on each branch
+                    built[deep] = True
+                    assert_same_tree(sim.build_tree(x, budget), want, f"{kind} seed={seed} L={depth} B={budget}")
+    assert set(built) == {True, False}, built
 
 
 @sim_only

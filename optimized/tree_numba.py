@@ -29,7 +29,7 @@ from typing import Optional, Union
 import torch
 from numba import cuda
 from .kernels.tree_beam import BMAX, beam_for
-from .kernels.tree_list import LIST_BMAX, MAX_DEPTH, list_for
+from .kernels.tree_list import LIST_BMAX, MAX_DEPTH, auto_for, list_for
 from .kernels.tree_device import SIM, WARP
 from .kernels.tree_topk import (CAP, DIRECT, EPT, NB, PMAX, SORT_NA, TOPK_T, WAVE_BLOCKS, topk_filter,
                                 topk_stats)
@@ -45,7 +45,8 @@ class Config:
                            #   a row has at most PMAX chunks, and a chunk is a multiple of topk_threads * EPT)
     beam_threads: int      # largest beam block (the beam runs min(this, budget rounded up to a power of two))
     follow_threads: int
-    list_max: int = 0      # budgets up to this take the warp-list beam (tree_list.py) instead of tree_beam's;
+    list_max: int = 0      # budgets up to this take the warp-list beam (tree_list.py) instead of tree_beam's,
+                           #   those up to WARP by tree_list.auto_for (tree_beam's body on trees <= 2 deep);
                            #   0: never. DEFAULT_CONFIG: 32 (see LIST_DEFAULT)
 
 
@@ -181,10 +182,14 @@ def _topk_stage(x, vocab: int, k: int, ws: _Workspace, cfg: Config, s) -> None:
 
 def _beam_stage(k: int, budget: int, ws: _Workspace, cfg: Config, s, tokens, depths, parents, scores) -> None:
     """One launch: the first `budget` nodes in order into tokens/depths/parents/scores [budget]. Budgets up to
-    cfg.list_max: the warp-list beam (one warp); else tree_beam's, in a block of the budget rounded up to a power
-    of two (at least a warp), at most cfg.beam_threads threads."""
+    cfg.list_max: the warp-list beam (one warp), up to a warp of them through tree_list.auto_for (one warp that
+    takes tree_beam's body instead when the tree is at most 2 deep); else tree_beam's, in a block of the budget
+    rounded up to a power of two (at least a warp), at most cfg.beam_threads threads."""
     a = ws.a
-    beam, threads = list_for(budget) if budget <= cfg.list_max else beam_for(budget, cfg.beam_threads)
+    if budget <= min(cfg.list_max, WARP):
+        beam, threads = auto_for(budget)
+    else:
+        beam, threads = list_for(budget) if budget <= cfg.list_max else beam_for(budget, cfg.beam_threads)
     beam[1, threads, s](a["top_lp"], a["top_id"], k, budget, _arr(tokens), _arr(depths), _arr(parents),
                                  _arr(scores), a["count"])
 

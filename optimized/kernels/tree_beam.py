@@ -69,10 +69,15 @@ def beam_for(budget: int, max_threads: int):
         cap *= 2
     threads = min(max_threads, cap)
     ga = cap // threads
-    key = (threads, ga, max(1, NEW_FACTOR * ga))
+    return beam_variant(threads, ga, max(1, NEW_FACTOR * ga))[0], threads
+
+
+def beam_variant(threads: int, ga: int, na: int):
+    """(kernel, device body) for blocks of `threads` threads, ga members and na new candidates per thread."""
+    key = (threads, ga, na)
     if key not in _variants:
         _variants[key] = _make_beam(*key)
-    return _variants[key], threads
+    return _variants[key]
 
 
 _variants: dict = {}
@@ -87,8 +92,8 @@ def _make_beam(T, GA, NA):
 
     sort_new = pair_sort(NA)
 
-    @cuda.jit(**jit)
-    def beam(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
+    @cuda.jit(**DEVICE)
+    def body(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
         tid = cuda.threadIdx.x
         gq = cuda.shared.array(CAPB, np.int64)          # G: scores, aux, depths, in order
         gaux = cuda.shared.array(CAPB, np.int32)
@@ -363,4 +368,8 @@ def _make_beam(T, GA, NA):
         if tid == 0:
             out_n[0] = m
 
-    return beam
+    @cuda.jit(**jit)
+    def beam(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
+        body(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n)
+
+    return beam, body

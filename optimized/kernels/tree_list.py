@@ -26,8 +26,8 @@ from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shi
 import numpy as np
 from numba import cuda
 
-from .tree_beam import PAD_Q, SCALE, q_of
-from .tree_device import DEVICE, SIM, TBUF, WARP, ballot, shfl_idx, warp_sync
+from .tree_beam import NEW_FACTOR, PAD_Q, SCALE, beam_variant, q_of
+from .tree_device import DEVICE, SIM, TBUF, WARP, ballot, shfl_idx, shfl_xor, warp_sync
 
 MAX_DEPTH = 15                    # most depths (tree_numba.build_tree checks; the aux's depth has 4 bits)
 LIST_BMAX = 64 if SIM else 256    # largest budget: W = LIST_BMAX / (2 * WARP) rows (simulator: 8 rows of 4 lanes)
@@ -81,10 +81,67 @@ def list_for(budget: int):
         rows *= 2
     if rows not in _variants:
         _variants[rows] = _make_list(rows)
-    return _variants[rows], WARP
+    return _variants[rows][0], WARP
 
 
 _variants: dict = {}
+
+
+@cuda.jit(**DEVICE)
+def shallow(top_lp, k, budget, buf):
+    """The tree has no node deeper than 2, up to ties (a speed choice only: both beams are exact): at least
+    `budget` prefixes of depth <= 2 score >= s3, the score of (0, 0, 0), the best a depth-3 node can have (rows are
+    sorted). One warp (every lane gets the answer): each lane counts its depth-1 ranks r with q0[r] >= s3 and their
+    children by a binary search in the sorted depth-2 row."""
+    if top_lp.shape[0] < 3:
+        return True
+    s3 = q_of(top_lp[0, 0]) + q_of(top_lp[1, 0]) + q_of(top_lp[2, 0])
+    cnt = np.int64(0)
+    for r in range(cuda.threadIdx.x, k, WARP):
+        q0 = q_of(top_lp[0, r])
+        if q0 >= s3:
+            lo = 0
+            hi = k
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if q0 + q_of(top_lp[1, mid]) >= s3:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            cnt += 1 + lo
+    off = 1
+    while off < WARP:
+        cnt += shfl_xor(cnt, off, buf)
+        off *= 2
+    return cnt >= budget
+
+
+def auto_for(budget: int):
+    """(kernel, WARP) for budgets up to WARP: one warp that runs tree_beam's body (~5 us a depth, ~1 us at depth 1)
+    on trees of depth <= 2 by `shallow`, and the warp-list body (~0.45 us a node) on deeper ones."""
+    if budget > WARP:
+        raise ValueError(f"the auto beam takes budgets up to {WARP}, got {budget}")
+    if "auto" not in _variants:
+        _variants["auto"] = _make_auto()
+    return _variants["auto"], WARP
+
+
+def _make_auto():
+    if 1 not in _variants:
+        _variants[1] = _make_list(1)
+    lbody = _variants[1][1]                                      # budgets <= 2 WARP: one register row
+    bbody = beam_variant(WARP, 1, max(1, NEW_FACTOR))[1]         # tree_beam's variant for budgets <= WARP
+    jit = {} if SIM else {"launch_bounds": WARP}
+
+    @cuda.jit(**jit)
+    def beam_auto(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
+        buf = cuda.shared.array(TBUF, np.int64)
+        if shallow(top_lp, k, budget, buf):
+            bbody(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n)
+        else:
+            lbody(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n)
+
+    return beam_auto
 
 
 def _make_list(W):
@@ -95,8 +152,8 @@ def _make_list(W):
     NLP = MAX_DEPTH * KMAX        # (a shared array's size must be one constant, not an expression)
     jit = {} if SIM else {"launch_bounds": WARP}
 
-    @cuda.jit(**jit)
-    def beam_list(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
+    @cuda.jit(**DEVICE)
+    def body(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
         lane = cuda.threadIdx.x
         lps = cuda.shared.array(NLP, np.float32)     # lp by (depth, rank)
         npar = cuda.shared.array(NMAX, np.int16)                 # taken node -> parent node, own rank, depth,
@@ -207,4 +264,8 @@ def _make_list(W):
         if lane == 0:
             out_n[0] = count
 
-    return beam_list
+    @cuda.jit(**jit)
+    def beam_list(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
+        body(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n)
+
+    return beam_list, body
