@@ -53,7 +53,9 @@ class Config:
 # The warp-list beam costs ~0.45 us a node whatever the depth; tree_beam ~5 us a depth (H100, tree_run11): the list
 # wins on deep (draft-like) trees up to budget 64 and loses on shallow ones and from W = 2 rows (budget > 64). In
 # the engine on the trained pair's real drafts its tree stage is faster at budgets 16 / 32 (0.044 / 0.054 ms
-# against 0.049 / 0.058) and slower at 64 (0.071 against 0.067), hence 32.
+# against 0.049 / 0.058) and slower at 64 (0.071 against 0.067), hence 32. Budgets up to a warp go through
+# tree_list.auto_for, which runs tree_beam's body instead when the tree is at most 2 deep (tree_run14: 6.4 against
+# 12.2 us on normal rows at budget 16); not yet timed on a GPU (stop 33).
 LIST_DEFAULT = 32
 DEFAULT_CONFIG = (Config(16, 8, 16, 16, list_max=LIST_DEFAULT) if SIM
                   else Config(TOPK_T, 2048, 1024, 256, list_max=LIST_DEFAULT))
