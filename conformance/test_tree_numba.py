@@ -384,6 +384,16 @@ def test_sim_exp_le0_accuracy():
     assert exp_le0(-700.5, EXP_TAB) == 0.0 and exp_le0(-math.inf, EXP_TAB) == 0.0
 
 
+def sim_kernel(src: str, name: str, **names):
+    """A test kernel defined by `src`, built in a namespace of its own with numba's cuda, numpy as np and `names` as
+    globals: the simulator swaps a kernel's *global* `cuda` for its fake module, which a local import would hide."""
+    import numpy as np
+    from numba import cuda
+    ns = dict(names, cuda=cuda, np=np)
+    exec(src, ns)
+    return cuda.jit(ns[name])
+
+
 @sim_only
 @pytest.mark.parametrize("kind", ["normal", "peaked", "draftlike"])
 def test_sim_auto_beam_picks_by_depth(sim, kind):
@@ -391,7 +401,6 @@ def test_sim_auto_beam_picks_by_depth(sim, kind):
     exactly when the reference tree is at most 2 deep (tie-free logits: the ties are only a speed matter), and the
     tree is the reference's on either branch."""
     import numpy as np
-    from numba import cuda
     from optimized.kernels import tree_list
     from optimized.kernels.tree_device import TBUF, WARP
     src = """
@@ -401,9 +410,7 @@ def probe(top_lp, k, budget, out):
     if cuda.threadIdx.x == 0:
         out[0] = 1 if v else 0
 """
-    ns = {"cuda": cuda, "np": np, "L": tree_list, "TBUF": TBUF}
-    exec(src, ns)
-    probe = cuda.jit(ns["probe"])
+    probe = sim_kernel(src, "probe", L=tree_list, TBUF=TBUF)
     built = {}
     for seed in range(6):
         for depth in (1, 3, 5):
@@ -427,11 +434,8 @@ def test_sim_radix_select_from_the_first_differing_digit():
     digit the keys first differ in (it skips the digits they share and stops once its bin holds one key): keys
     sharing 0-60 top bits, negative and positive, clustered (as real candidates are) and spread."""
     import numpy as np
-    from numba import cuda
     from optimized.kernels import tree_topk as K
     from optimized.kernels.tree_device import TBUF
-
-    # built in a namespace of its own: the simulator swaps the kernel's *global* `cuda` for its fake module
     src = """
 def select(keys_in, k, out):
     keys = cuda.shared.array(64, np.int64)
@@ -447,9 +451,7 @@ def select(keys_in, k, out):
     if cuda.threadIdx.x == 0:
         out[0] = key
 """
-    ns = {"cuda": cuda, "np": np, "K": K, "TBUF": TBUF}
-    exec(src, ns)
-    select = cuda.jit(ns["select"])
+    select = sim_kernel(src, "select", K=K, TBUF=TBUF)
 
     rng = np.random.default_rng(7)
     for shared_bits, n in ((0, 40), (8, 33), (13, 64), (29, 50), (40, 17), (56, 9), (60, 5)):

@@ -64,20 +64,22 @@ def g_before(qg, tg, qc, tp):
 
 def beam_for(budget: int, max_threads: int):
     """(kernel, T): the beam variant for `budget` in blocks of at most max_threads (a power of two >= a warp)."""
+    (kernel, _), threads = variant_for(budget, max_threads)
+    return kernel, threads
+
+
+def variant_for(budget: int, max_threads: int):
+    """((kernel, device body), T) for `budget` in blocks of at most max_threads; the body serves a kernel that
+    picks its beam on the device (tree_list.auto_for)."""
     cap = WARP
     while cap < budget:
         cap *= 2
     threads = min(max_threads, cap)
     ga = cap // threads
-    return beam_variant(threads, ga, max(1, NEW_FACTOR * ga))[0], threads
-
-
-def beam_variant(threads: int, ga: int, na: int):
-    """(kernel, device body) for blocks of `threads` threads, ga members and na new candidates per thread."""
-    key = (threads, ga, na)
+    key = (threads, ga, max(1, NEW_FACTOR * ga))
     if key not in _variants:
         _variants[key] = _make_beam(*key)
-    return _variants[key]
+    return _variants[key], threads
 
 
 _variants: dict = {}

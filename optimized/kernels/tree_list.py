@@ -26,7 +26,7 @@ from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shi
 import numpy as np
 from numba import cuda
 
-from .tree_beam import NEW_FACTOR, PAD_Q, SCALE, beam_variant, q_of
+from .tree_beam import PAD_Q, SCALE, q_of, variant_for
 from .tree_device import DEVICE, SIM, TBUF, WARP, ballot, shfl_idx, shfl_xor, warp_sync
 
 MAX_DEPTH = 15                    # most depths (tree_numba.build_tree checks; the aux's depth has 4 bits)
@@ -74,6 +74,11 @@ def precedes(qa, aa, qb, ab, npar, nrank):
 
 def list_for(budget: int):
     """(kernel, WARP): the list variant with the fewest rows whose capacity holds half of `budget`."""
+    return _variant(budget)[0], WARP
+
+
+def _variant(budget: int):
+    """(kernel, device body) of list_for's variant."""
     if budget > LIST_BMAX:
         raise ValueError(f"the warp-list beam takes budgets up to {LIST_BMAX}, got {budget}")
     rows = 1
@@ -81,7 +86,7 @@ def list_for(budget: int):
         rows *= 2
     if rows not in _variants:
         _variants[rows] = _make_list(rows)
-    return _variants[rows][0], WARP
+    return _variants[rows]
 
 
 _variants: dict = {}
@@ -127,10 +132,8 @@ def auto_for(budget: int):
 
 
 def _make_auto():
-    if 1 not in _variants:
-        _variants[1] = _make_list(1)
-    lbody = _variants[1][1]                                      # budgets <= 2 WARP: one register row
-    bbody = beam_variant(WARP, 1, max(1, NEW_FACTOR))[1]         # tree_beam's variant for budgets <= WARP
+    lbody = _variant(WARP)[1]                                    # both bodies' variants for budgets <= WARP:
+    bbody = variant_for(WARP, WARP)[0][1]                        #   one warp a block
     jit = {} if SIM else {"launch_bounds": WARP}
 
     @cuda.jit(**jit)
