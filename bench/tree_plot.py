@@ -1,5 +1,6 @@
 """Plot a tree bench result (bench/test_bench_tree.py's tree_<date>.json): the whole path's device time against the
-budget with the goal, and the two beams alone (tree_beam, one depth per step; the warp-list beam, one node per step).
+budget with the goal, and the beams alone (tree_beam, one depth per step; the warp-list beam, one node per step; the
+threshold beam, one enumeration level per step).
 
     python bench/tree_plot.py bench/results/tree_run12/tree_2026-12-06.json [out.png]   (default: beside the JSON)
 """
@@ -36,6 +37,10 @@ def plot(path: str, out: str | None = None) -> str:
         if lb:
             ax[1].plot(*zip(*lb), color=color, ls=ls, marker="s", mfc="white", alpha=0.8,
                        label=f"list beam, {kind}, L = {depth}")
+        tb = [(r["budget"], r["beam_thresh_device_us"]) for r in rs if r.get("beam_thresh_device_us") is not None]
+        if tb:
+            ax[1].plot(*zip(*tb), color=color, ls=ls, marker="^", alpha=0.8,
+                       label=f"threshold beam, {kind}, L = {depth}")
     budgets = sorted({r["budget"] for r in rows})
     ax[0].step(budgets, [40 if b <= 256 else 100 for b in budgets], where="post", color="k", lw=1, label="goal")
     ax[0].set(xscale="log", yscale="log", xlabel="budget", ylabel="device us (median)",

@@ -199,7 +199,7 @@ import subprocess, sys, types as _t
 import numba.cuda.dispatcher as D
 D.get_current_device = lambda: _t.SimpleNamespace(compute_capability=(9, 0))   # no GPU needed to compile
 from numba import cuda, types
-from optimized.kernels import tree_beam as B, tree_list as Lst, tree_topk as K, tree_verify as V
+from optimized.kernels import tree_beam as B, tree_list as Lst, tree_thresh as Th, tree_topk as K, tree_verify as V
 A = lambda dt, nd: types.Array(dt, nd, "C")
 i64, f32, f64, i32, i16 = types.int64, types.float32, types.float64, types.int32, types.int16
 kernels = {
@@ -220,6 +220,9 @@ for budget in (16, 32, 64, 128, 256, 512, 1024):       # every beam variant the 
 for budget in (64, 128, 256):                          # every warp-list variant: 1, 2, 4 register rows
     kernels[f"beam_list_B{budget}"] = (Lst.list_for(budget)[0], beam_sig)
 kernels["beam_auto"] = (Lst.auto_for(32)[0], beam_sig)
+for budget in (32, 64, 128, 256, 512, 1024):           # every threshold-beam variant (32 to 1024 threads)
+    kernels[f"beam_thresh_B{budget}"] = (Th.thresh_for(budget, 1024)[0],
+                                         beam_sig + (A(i64, 1), A(i32, 2), A(i32, 1)))
 for name, (kernel, sig) in kernels.items():
     ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
     print(name, "ok", len(ptx))
@@ -243,7 +246,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
         pytest.skip("no NVVM/NVRTC to compile with (install the CUDA toolkit or nvidia-cuda-nvrtc): "
                     + out.strip().splitlines()[-1][:200])
     assert proc.returncode == 0, out[-3000:]
-    assert out.count(" ok ") == 16, out
+    assert out.count(" ok ") == 22, out
 
 
 @pytest.mark.parametrize("value, ok", [("1024", True), ("256", True), ("300", False), ("2048", False)])
@@ -341,6 +344,54 @@ def test_sim_list_beam_matches_reference(sim, kind, depth, vocab, budget):
     x = logits(kind, depth, vocab, 11)
     got = sim.build_tree(x, budget, config=cfg, check_values=True)
     assert_same_tree(got, ref.build_tree(x, budget), f"list beam {kind} L={depth} V={vocab} B={budget}")
+
+
+THRESH_CASES = [
+    ("normal", 3, 16, 20),       # one enumeration
+    ("equal", 3, 6, 20),         # all ties, ordered by rank tuples
+    ("peaked", 4, 5, 12),        # lp == 0: a child ties its parent
+    ("integer", 3, 9, 20),       # sibling ties across parents
+    ("draftlike", 6, 9, 20),     # a deep tree: several enumerations
+    ("masked", 2, 12, 7),        # floor log-probs
+    ("collapse", 3, 16, 30),     # distinct logits, equal log-probs
+    ("normal", 2, 3, 16),        # fewer nodes than the budget (K < B: the first threshold admits everything)
+    ("normal", 1, 40, 33)]       # one depth, a block of several chunks
+
+
+def thresh_stats(opt, depth: int, vocab: int, budget: int) -> list:
+    """The threshold beam's counters from the last build's workspace: rounds, tuple thresholds, nodes, levels."""
+    return [w for key, w in opt._workspaces.items() if key[1:3] == (depth, vocab) and key[4] == budget][-1] \
+        .thresh_stats.tolist()
+
+
+@sim_only
+@pytest.mark.parametrize("kind, depth, vocab, budget", THRESH_CASES)
+def test_sim_threshold_beam_matches_reference(sim, kind, depth, vocab, budget):
+    """The threshold beam (tree_thresh.py, Config.beam) gives the reference tree on its own, node for node."""
+    cfg = sim.Config(8, 64, 8, 8, beam="threshold")
+    x = logits(kind, depth, vocab, 11)
+    got = sim.build_tree(x, budget, config=cfg, check_values=True)
+    assert_same_tree(got, ref.build_tree(x, budget), f"threshold beam {kind} L={depth} V={vocab} B={budget}")
+
+
+@sim_only
+def test_sim_threshold_beam_refines_through_ties(sim, monkeypatch):
+    """A buffer of 2 C nodes (CAP_FACTOR = 2, the least that still moves the threshold) makes the enumeration
+    overflow and the threshold move: by the buffer's B-th score, and -- where equal scores straddle rank B, as on
+    peaked rows (lp == 0 chains: the ties at -200 outnumber the buffer) -- by the B-th node in tuple order. The
+    counters say both paths ran; the trees are the reference's."""
+    from optimized.kernels import tree_thresh
+    monkeypatch.setattr(tree_thresh, "CAP_FACTOR", 2)
+    cfg = sim.Config(8, 64, 8, 8, beam="threshold")
+    seen = []
+    for kind, depth, vocab, budget in (("peaked", 6, 5, 20), ("equal", 6, 2, 20), ("integer", 5, 4, 24),
+                                       ("draftlike", 6, 9, 20), ("peaked", 5, 3, 30)):
+        x = logits(kind, depth, vocab, 5)
+        got = sim.build_tree(x, budget, config=cfg, check_values=True)
+        assert_same_tree(got, ref.build_tree(x, budget), f"threshold beam {kind} L={depth} V={vocab} B={budget}")
+        seen.append((kind, thresh_stats(sim, depth, vocab, budget)))
+    assert any(rounds > 1 for _, (rounds, _, _, _) in seen), seen
+    assert any(ties > 0 for _, (_, ties, _, _) in seen), seen
 
 
 @sim_only
@@ -516,13 +567,19 @@ def test_gpu_full_shapes_match_reference(gpu, depth, budget, kind):
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(KINDS + ("equal",)), depth=st.integers(1, 15), vocab=st.integers(1, 5000),
        budget=st.integers(1, 1024), seed=st.integers(0, 2 ** 31 - 1),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), list_max=st.sampled_from([0, None]))
-@example(kind="equal", depth=15, vocab=FULL_V, budget=1024, seed=0, dtype=torch.float32, list_max=None)
-@example(kind="peaked", depth=15, vocab=3, budget=1024, seed=0, dtype=torch.float32, list_max=None)
-@example(kind="equal", depth=15, vocab=FULL_V, budget=32, seed=0, dtype=torch.float32, list_max=0)
-def test_gpu_build_matches_reference(gpu, kind, depth, vocab, budget, seed, dtype, list_max):
-    """The default config (the warp-list beam up to budget 32, tree_beam above) and tree_beam alone (list_max=0)."""
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), list_max=st.sampled_from([0, None]),
+       beam=st.sampled_from(["tree", "threshold"]))
+@example(kind="equal", depth=15, vocab=FULL_V, budget=1024, seed=0, dtype=torch.float32, list_max=None, beam="tree")
+@example(kind="peaked", depth=15, vocab=3, budget=1024, seed=0, dtype=torch.float32, list_max=None, beam="tree")
+@example(kind="equal", depth=15, vocab=FULL_V, budget=32, seed=0, dtype=torch.float32, list_max=0, beam="tree")
+@example(kind="peaked", depth=15, vocab=3, budget=1024, seed=0, dtype=torch.float32, list_max=0, beam="threshold")
+@example(kind="equal", depth=15, vocab=FULL_V, budget=1024, seed=0, dtype=torch.float32, list_max=0,
+         beam="threshold")
+def test_gpu_build_matches_reference(gpu, kind, depth, vocab, budget, seed, dtype, list_max, beam):
+    """The default config (the warp-list beam up to budget 32, tree_beam above), the beams above the list alone
+    (list_max=0), each with tree_beam or the threshold beam above list_max."""
     cfg = gpu.DEFAULT_CONFIG if list_max is None else dataclasses.replace(gpu.DEFAULT_CONFIG, list_max=list_max)
+    cfg = dataclasses.replace(cfg, beam=beam)
     x = logits(kind, depth, vocab, seed, device="cuda").to(dtype)
     got = gpu.build_tree(x, budget, check_values=True, config=cfg)
     assert_same_tree(got, ref.build_tree(x, budget), f"{kind} L={depth} V={vocab} B={budget} {dtype}")
@@ -539,6 +596,21 @@ def test_gpu_list_beam_full_shapes_match_reference(gpu, depth, budget, kind):
     got = gpu.build_tree(x, budget, config=cfg, check_values=True)
     assert got.tokens.is_cuda
     assert_same_tree(got, ref.build_tree(x, budget), f"list beam {kind} L={depth} B={budget}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth", [7, 15])
+@pytest.mark.parametrize("budget", [16, 64, 256, 1024])
+@pytest.mark.parametrize("kind", ["normal", "integer", "peaked", "equal", "draftlike"])
+def test_gpu_threshold_beam_full_shapes_match_reference(gpu, depth, budget, kind):
+    """The threshold beam (Config.beam, list_max=0) at full shapes: the reference tree, node for node."""
+    cfg = dataclasses.replace(gpu.DEFAULT_CONFIG, list_max=0, beam="threshold")
+    x = logits(kind, depth, FULL_V, depth * 1000 + budget, device="cuda")
+    got = gpu.build_tree(x, budget, config=cfg, check_values=True)
+    assert got.tokens.is_cuda
+    assert_same_tree(got, ref.build_tree(x, budget), f"threshold beam {kind} L={depth} B={budget}")
+    print(f"threshold beam {kind} L={depth} B={budget}: rounds, tuple thresholds, nodes, levels = "
+          f"{thresh_stats(gpu, depth, FULL_V, budget)}")
 
 
 @pytest.mark.gpu

@@ -30,6 +30,7 @@ import torch
 from numba import cuda
 from .kernels.tree_beam import BMAX, beam_for
 from .kernels.tree_list import LIST_BMAX, MAX_DEPTH, auto_for, list_for
+from .kernels.tree_thresh import SCRATCH_ROWS, STATS, scratch_nodes, thresh_for
 from .kernels.tree_device import SIM, WARP
 from .kernels.tree_topk import (CAP, DIRECT, EPT, NB, PMAX, SORT_NA, TOPK_T, WAVE_BLOCKS, topk_filter,
                                 topk_stats)
@@ -48,6 +49,8 @@ class Config:
     list_max: int = 0      # budgets up to this take the warp-list beam (tree_list.py) instead of tree_beam's,
                            #   those up to WARP by tree_list.auto_for (tree_beam's body on trees <= 2 deep);
                            #   0: never. DEFAULT_CONFIG: 32 (see LIST_DEFAULT)
+    beam: str = "tree"     # budgets above list_max: "tree" (tree_beam.py, a depth per step) or "threshold"
+                           #   (tree_thresh.py, the set at or before a threshold, enumerated a level at a time)
 
 
 # The warp-list beam costs ~0.45 us a node whatever the depth; tree_beam ~5 us a depth (H100, tree_run11): the list
@@ -105,6 +108,7 @@ def _arr(t: torch.Tensor):
 
 
 _streams: dict = {}
+BEAMS = ("tree", "threshold")
 
 
 def _stream(device: torch.device):
@@ -126,6 +130,8 @@ def _check_config(cfg: Config) -> Config:
     if isinstance(cfg.list_max, bool) or not isinstance(cfg.list_max, int) or not 0 <= cfg.list_max <= LIST_BMAX:
         raise ValueError(f"list_max must be an int in 0..{LIST_BMAX} (the warp-list beam's largest budget), "
                          f"got {cfg.list_max!r}")
+    if cfg.beam not in BEAMS:
+        raise ValueError(f"beam must be one of {BEAMS}, got {cfg.beam!r}")
     if cfg.topk_threads * SORT_NA < max(DIRECT, BMAX):
         raise ValueError(f"topk_threads {cfg.topk_threads} < {max(DIRECT, BMAX) // SORT_NA}: the top-K's final sort "
                          f"holds {max(DIRECT, BMAX)} keys in {SORT_NA} registers per thread")
@@ -136,7 +142,7 @@ class _Workspace:
     """Device scratch for one (device, L, V, K, config); reused across calls (and CUDA graph replays). The
     histograms and counters are zero on creation, and the kernels leave them zero."""
 
-    def __init__(self, device, depth, vocab, k, cfg: Config):
+    def __init__(self, device, depth, vocab, k, budget, cfg: Config):
         step = cfg.topk_threads * EPT
         chunk = max(cfg.chunk, -(-vocab // PMAX))
         if not SIM:
@@ -156,7 +162,12 @@ class _Workspace:
         self.top_lp = torch.empty(depth, k, dtype=torch.float32, **z)
         self.top_id = torch.empty(depth, k, dtype=torch.int64, **z)
         self.count = torch.zeros(1, dtype=torch.int64, **z)
-        names = ("part_m", "part_s", "lse", "hist", "done", "sel", "counters", "cand", "top_lp", "top_id", "count")
+        nodes = scratch_nodes(budget) if cfg.beam == "threshold" else 1     # the threshold beam's buffer
+        self.thresh_sc = torch.empty(nodes, dtype=torch.int64, **z)
+        self.thresh_ints = torch.empty(SCRATCH_ROWS, nodes, dtype=torch.int32, **z)
+        self.thresh_stats = torch.zeros(STATS, dtype=torch.int32, **z)     # rounds, tuple thresholds, nodes, levels
+        names = ("part_m", "part_s", "lse", "hist", "done", "sel", "counters", "cand", "top_lp", "top_id", "count",
+                 "thresh_sc", "thresh_ints", "thresh_stats")
         self.a = {name: _arr(getattr(self, name)) for name in names}
 
 
@@ -168,7 +179,7 @@ def _workspace(device, depth, vocab, k, budget, cfg) -> _Workspace:
     if key not in _workspaces:
         if len(_workspaces) > 64:
             _workspaces.clear()
-        _workspaces[key] = _Workspace(device, depth, vocab, k, cfg)
+        _workspaces[key] = _Workspace(device, depth, vocab, k, budget, cfg)
     return _workspaces[key]
 
 
@@ -185,15 +196,19 @@ def _topk_stage(x, vocab: int, k: int, ws: _Workspace, cfg: Config, s) -> None:
 def _beam_stage(k: int, budget: int, ws: _Workspace, cfg: Config, s, tokens, depths, parents, scores) -> None:
     """One launch: the first `budget` nodes in order into tokens/depths/parents/scores [budget]. Budgets up to
     cfg.list_max: the warp-list beam (one warp), up to a warp of them through tree_list.auto_for (one warp that
-    takes tree_beam's body instead when the tree is at most 2 deep); else tree_beam's, in a block of the budget
-    rounded up to a power of two (at least a warp), at most cfg.beam_threads threads."""
+    takes tree_beam's body instead when the tree is at most 2 deep); else cfg.beam's (tree_beam or the threshold
+    beam), in a block of the budget rounded up to a power of two (at least a warp), at most cfg.beam_threads threads."""
     a = ws.a
+    out = (a["top_lp"], a["top_id"], k, budget, _arr(tokens), _arr(depths), _arr(parents), _arr(scores), a["count"])
+    if budget > cfg.list_max and cfg.beam == "threshold":
+        beam, threads = thresh_for(budget, cfg.beam_threads)
+        beam[1, threads, s](*out, a["thresh_sc"], a["thresh_ints"], a["thresh_stats"])
+        return
     if budget <= min(cfg.list_max, WARP):
         beam, threads = auto_for(budget)
     else:
         beam, threads = list_for(budget) if budget <= cfg.list_max else beam_for(budget, cfg.beam_threads)
-    beam[1, threads, s](a["top_lp"], a["top_id"], k, budget, _arr(tokens), _arr(depths), _arr(parents),
-                                 _arr(scores), a["count"])
+    beam[1, threads, s](*out)
 
 
 def build_tree(draft_logits: torch.Tensor, budget: int, *, check_values: bool = False,

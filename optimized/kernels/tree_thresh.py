@@ -1,0 +1,462 @@
+"""Best-first selection by threshold: the first B prefixes in the order of reference/tree.py, in that order, found
+as the set of prefixes at or before a threshold instead of grown a depth at a time (tree_beam) or a node at a time
+(tree_list). Same input (the per-depth top-K: lp [L, K] fp32 on the 2^-28 grid, token ids [L, K], sorted by rank)
+and the same output, node for node, as tree_beam's kernel.
+
+Why: tree_beam merges every depth into its sorted set (~5 us a depth on deep, draft-like trees: 110 us at budget
+256, L = 15, H100); the list beam pops a node at a time. Here a depth costs one level of a breadth-first
+enumeration (a binary search per parent, a block scan, a binary search per child), and the order is made once.
+
+Order and threshold: x precedes y iff score(x) > score(y), or equal scores and tuple(x) < tuple(y) (rank tuples,
+a prefix before its extensions). A threshold tau = (score s, tuple t) admits E(tau) = {x : x precedes tau or is
+tau}; t = +inf (the tuple of no node, after all of them) admits {score >= s}. E(tau) is prefix-closed (a parent
+precedes its children), so it is enumerated level by level from the root: the children of parent p that enter
+are a prefix of its ranks (scores fall and tuples rise along them), found by a binary search in the sorted row.
+Each node carries its relation to t's digits (before, on t's path, after: `state`), which decides whether a child
+of equal score enters.
+
+Algorithm (exact):
+    tau = (the B-th depth-1 score, +inf) when K >= B (then |E(tau)| >= B), else (-inf, +inf)
+    loop: enumerate E(tau) breadth-first into a buffer of at most CAP = CAP_FACTOR * C nodes (C = B rounded up to
+          a power of two); if it did not overflow, stop. Else the buffer (CAP > B nodes, all at or before tau, a
+          prefix-closed set) gives a later threshold with |E| >= B still: its B-th best score theta if theta > s
+          (tau = (theta, +inf)); else (equal scores straddle rank B) the node of score theta that is B-th in the
+          order, found by the buffer's preorder (tau = that node). Each step moves tau strictly earlier, so it ends.
+    final: preorder of E (subtree sizes bottom-up, then preorder top-down, a level at a time); the B-th score theta
+          by a radix select, and, when equal scores straddle rank B, the cut among them by preorder; the kept B
+          nodes sorted by (score descending, preorder ascending) -- the reference's order, since preorder is the
+          lexicographic order of rank tuples -- and written out with parents as output indices.
+The host prototype on the bench's rows (bench/results/tree_2026-12-02.md, stop 34): one enumeration on normal
+rows (2-4 levels), 1-3 on draft-like ones at CAP_FACTOR = 4 (11-29 levels in all at L = 7 and 15).
+
+Launch geometry: one block of T threads (T = min(beam_threads, THREADS_MAX, C), a power of two); each thread holds C / T row
+values and sort slots. Shared memory: the parents' child offsets (int32 [CAP + 1], 16 KB at B = 1024), the row
+(int64 [C]), the sort pairs (12 B x C), 256 radix bins. The enumerated nodes live in a global scratch of the
+workspace (scores int64 [CAP]; parents, aux, first-child offsets, subtree sizes, size scans and preorder int32
+[6, CAP]): L2-resident, each level reads and writes them once, coalesced.
+"""
+from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shim)
+
+import numpy as np
+from numba import cuda
+
+from .tree_beam import PAD_Q, SCALE, q_of
+from .tree_device import DEVICE, SIM, TBUF, WARP, block_scan, pair_sort
+from .tree_list import MAX_DEPTH
+
+CAP_FACTOR = 4                    # the enumeration buffer holds CAP_FACTOR * C nodes (>= 2: a step must move tau)
+LOWEST = -(2 ** 62)               # a threshold score below every score (scores are > -2^53)
+NEG = -(2 ** 63)                  # u = key ^ NEG orders int64 keys as unsigned
+RB = 256                          # radix bins (8-bit digits)
+BIG = 2 ** 30                     # a preorder past every node
+M10 = 0x3FF                       # aux = rank | depth << 10 | (state + 1) << 14
+SCRATCH_ROWS = 6                  # int32 scratch rows: parent, aux, first child, subtree size, size scan, preorder
+STATS = 4                         # stats: enumerations, tuple thresholds, nodes and levels of the final one
+# At most 512 threads: the kernel keeps ~130 values live; 1024 threads leave 64 registers a thread (ptxas, sm_90:
+# 288 B of spill stores), 512 leave 128 (12 B). Its levels hold a few nodes a thread either way.
+THREADS_MAX = 512
+
+
+def cap_for(budget: int) -> int:
+    """C: the budget rounded up to a power of two, at least a warp."""
+    cap = WARP
+    while cap < budget:
+        cap *= 2
+    return cap
+
+
+def scratch_nodes(budget: int) -> int:
+    """Nodes of the enumeration buffer for `budget` (the workspace's scratch size)."""
+    return CAP_FACTOR * cap_for(budget)
+
+
+def thresh_for(budget: int, max_threads: int):
+    """(kernel, T): the threshold beam for `budget` in blocks of at most min(max_threads, THREADS_MAX) (a power of
+    two >= a warp)."""
+    cap = cap_for(budget)
+    threads = min(max_threads, THREADS_MAX, cap)
+    key = (threads, cap // threads, CAP_FACTOR)
+    if key not in _variants:
+        _variants[key] = _make_thresh(*key)
+    return _variants[key], threads
+
+
+_variants: dict = {}
+
+
+@cuda.jit(**DEVICE)
+def n_entering(qrow, k, need, strict):
+    """Ranks r of the sorted row with qrow[r] >= need (strict: >): a prefix, by binary search."""
+    lo = 0
+    hi = k
+    while lo < hi:
+        mid = (lo + hi) // 2
+        v = qrow[mid]
+        if v > need or (not strict and v == need):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@cuda.jit(**DEVICE)
+def n_children(qrow, k, sp, ps, d, tq, tm, tdig):
+    """Children of a parent (score sp, state ps, depth d; the root: 0, its state, 0) that enter E(tau), tau =
+    (tq, digits tdig[:tm]; tm = -1: +inf). State: -1 before t, 0 on t's path (a prefix of t), +1 after t. A child
+    of rank r of a parent on the path is before t for r < t_d, on it for r == t_d, after it for r > t_d, and after
+    it when the parent is t itself (d == tm)."""
+    need = tq - sp
+    if ps < 0:
+        return n_entering(qrow, k, need, False)
+    b = n_entering(qrow, k, need, True)
+    if ps > 0 or d == tm:
+        return b
+    a = n_entering(qrow, k, need, False)
+    t = tdig[d]
+    return a if a <= t else max(t + 1, b)
+
+
+@cuda.jit(**DEVICE)
+def child_state(ps, d, r, tm, tdig):
+    if ps != 0:
+        return ps
+    if d == tm:
+        return 1
+    t = tdig[d]
+    return -1 if r < t else (0 if r == t else 1)
+
+
+def _make_thresh(T, GA, CAPF):
+    """The kernel for blocks of exactly T threads, GA row values and sort slots per thread."""
+    CAPB = T * GA                 # C: budget capacity (and K)
+    CAP = CAPF * CAPB             # enumeration buffer (nodes)
+    CAP1 = CAP + 1
+    LEV = MAX_DEPTH + 1
+    jit = {} if SIM else {"launch_bounds": T}
+    sort_pairs = pair_sort(GA)
+
+    @cuda.jit(**DEVICE)
+    def find_bin(bins, kk, tmp, buf, shr):
+        """(b, r): the bin holding the kk-th largest key (1-based, from the top bin) and kk's rank inside it."""
+        tid = cuda.threadIdx.x
+        per = (RB + T - 1) // T
+        local = np.int64(0)
+        for q in range(tid * per, min(RB, (tid + 1) * per)):
+            local += bins[RB - 1 - q]
+        before, _ = block_scan(local, tmp, buf)
+        if before < kk <= before + local:
+            cum = before
+            for q in range(tid * per, min(RB, (tid + 1) * per)):
+                c = bins[RB - 1 - q]
+                if cum + c >= kk:
+                    shr[0] = RB - 1 - q
+                    shr[1] = kk - cum
+                    break
+                cum += c
+        cuda.syncthreads()
+        b, r = shr[0], shr[1]
+        cuda.syncthreads()
+        return b, r
+
+    @cuda.jit(**DEVICE)
+    def key_of(sc, pre, i, mode, thr):
+        """(valid, key): mode 0 every node's score; mode 1 the nodes of score thr, keyed by -preorder."""
+        if mode == 0:
+            return True, sc[i]
+        return sc[i] == thr, -np.int64(pre[i])
+
+    @cuda.jit(**DEVICE)
+    def kth_largest(sc, pre, n, kk, mode, thr, bins, tmp, buf, shr):
+        """(v, m, eq): v the kk-th largest key of the n nodes (key_of), counted with multiplicity; it is the m-th
+        of the eq keys equal to v. 8-bit passes, most significant first, from the first digit in which the keys
+        differ (their AND and OR); stops when the chosen bin holds one key."""
+        tid = cuda.threadIdx.x
+        if tid == 0:
+            shr[0] = 0
+            shr[1] = -1
+            shr[2] = 0
+        cuda.syncthreads()
+        acc_or = np.int64(0)
+        acc_and = np.int64(-1)
+        cnt = np.int64(0)
+        for i in range(tid, n, T):
+            ok, key = key_of(sc, pre, i, mode, thr)
+            if ok:
+                u = key ^ np.int64(NEG)
+                acc_or |= u
+                acc_and &= u
+                cnt += 1
+        cuda.atomic.or_(shr, 0, acc_or)
+        cuda.atomic.and_(shr, 1, acc_and)
+        cuda.atomic.add(shr, 2, cnt)
+        cuda.syncthreads()
+        acc_or = shr[0]
+        acc_and = shr[1]
+        cnt = shr[2]
+        cuda.syncthreads()
+        diff = acc_or ^ acc_and
+        if diff == 0:                                # one distinct key
+            return acc_or ^ np.int64(NEG), np.int64(kk), cnt
+        hi = np.uint32((diff >> 32) & 0xFFFFFFFF)
+        top = 63 - cuda.clz(hi) if hi != 0 else 31 - cuda.clz(np.uint32(diff & 0xFFFFFFFF))
+        d0 = (63 - top) // 8
+        prefix = np.int64(0)
+        if d0 > 0:
+            prefix = (acc_or >> (64 - 8 * d0)) & ((np.int64(1) << (8 * d0)) - 1)
+        kk = np.int64(kk)
+        for d in range(d0, 8):
+            shift = 56 - 8 * d
+            high = np.int64(1) << (8 * d)
+            for i in range(tid, RB, T):
+                bins[i] = 0
+            cuda.syncthreads()
+            for i in range(tid, n, T):
+                ok, key = key_of(sc, pre, i, mode, thr)
+                u = key ^ np.int64(NEG)
+                if ok and (d == d0 or ((u >> (shift + 8)) & (high - 1)) == prefix):
+                    cuda.atomic.add(bins, (u >> shift) & 0xFF, 1)
+            cuda.syncthreads()
+            b, kk = find_bin(bins, kk, tmp, buf, shr)
+            prefix = (prefix << 8) | b
+            cnt = np.int64(bins[b])
+            cuda.syncthreads()                       # every thread has read bins[b] before it is cleared
+            if cnt == 1:                             # the one key with these top 8 (d + 1) bits
+                for i in range(tid, n, T):
+                    ok, key = key_of(sc, pre, i, mode, thr)
+                    if ok and ((key ^ np.int64(NEG)) >> shift) & ((high << 8) - 1) == prefix:
+                        shr[0] = key
+                cuda.syncthreads()
+                key = shr[0]
+                cuda.syncthreads()
+                return key, np.int64(1), np.int64(1)
+        return prefix ^ np.int64(NEG), kk, cnt
+
+    @cuda.jit(**DEVICE)
+    def preorder(n, nlev, lev, sc, ints, tmp, buf):
+        """ints[5, i]: node i's preorder among the n enumerated nodes (the root excluded, from 0). Subtree sizes
+        (ints[3]) and their inclusive scans along each level (ints[4]) bottom-up, then preorder top-down:
+        pre(c) = pre(parent) + 1 + the sizes of c's earlier siblings (contiguous in the level)."""
+        tid = cuda.threadIdx.x
+        fc = ints[2]
+        sz = ints[3]
+        scan = ints[4]
+        pre = ints[5]
+        par = ints[0]
+        e = nlev
+        while e >= 1:
+            a0 = lev[e - 1]
+            a1 = lev[e]
+            carry = np.int64(0)
+            for c in range(a0, a1, T):
+                i = c + tid
+                v = np.int64(0)
+                if i < a1:
+                    v = np.int64(1)
+                    if e < nlev:
+                        b0 = fc[i]
+                        b1 = fc[i + 1] if i + 1 < a1 else lev[e + 1]
+                        if b1 > b0:
+                            v += scan[b1 - 1] - scan[b0] + sz[b0]
+                    sz[i] = v
+                ex, tot = block_scan(v, tmp, buf)
+                if i < a1:
+                    scan[i] = carry + ex + v
+                carry += tot
+            cuda.syncthreads()
+            e -= 1
+        for e in range(1, nlev + 1):
+            for i in range(lev[e - 1] + tid, lev[e], T):
+                ex = scan[i] - sz[i]
+                if e == 1:
+                    pre[i] = ex
+                else:
+                    p = par[i]
+                    f = fc[p]
+                    pre[i] = pre[p] + 1 + ex - (scan[f] - sz[f])
+            cuda.syncthreads()
+
+    @cuda.jit(**DEVICE)
+    def enumerate_set(top_lp, k, tq, tm, tdig, sc, ints, offs, qrow, lev, tmp, buf):
+        """E(tau) breadth-first into sc / ints[0..2] (at most CAP nodes; level e at lev[e-1]..lev[e]).
+        Returns (n, levels, overflowed)."""
+        tid = cuda.threadIdx.x
+        par = ints[0]
+        aux = ints[1]
+        fc = ints[2]
+        nxt = cuda.local.array(GA, np.int64)
+        depth = top_lp.shape[0]
+        root_state = 0 if tm >= 1 else -1
+        for a in range(GA):
+            r = tid + a * T
+            nxt[a] = q_of(top_lp[0, r]) if r < k else np.int64(0)
+        if tid == 0:
+            lev[0] = 0
+        n = 0
+        nlev = 0
+        over = False
+        for d in range(depth):                       # parents at depth d (0: the root), children at depth d + 1
+            cuda.syncthreads()
+            for a in range(GA):
+                r = tid + a * T
+                if r < k:
+                    qrow[r] = nxt[a]
+                    if d + 1 < depth:
+                        nxt[a] = q_of(top_lp[d + 1, r])
+            cuda.syncthreads()
+            f0 = lev[d - 1] if d > 0 else 0
+            nf = lev[d] - f0 if d > 0 else 1
+            total = np.int64(0)
+            for c in range(0, nf, T):
+                j = c + tid
+                cnt = 0
+                if j < nf:
+                    if d == 0:
+                        cnt = n_children(qrow, k, np.int64(0), root_state, 0, tq, tm, tdig)
+                    else:
+                        i = f0 + j
+                        cnt = n_children(qrow, k, sc[i], (aux[i] >> 14) - 1, d, tq, tm, tdig)
+                ex, tot = block_scan(cnt, tmp, buf)
+                if j < nf:
+                    offs[j] = total + ex
+                total += tot
+            lim = min(total, CAP - n)
+            if tid == 0:
+                offs[nf] = total
+            cuda.syncthreads()
+            if d > 0:
+                for j in range(tid, nf, T):
+                    fc[f0 + j] = n + min(offs[j], lim)
+            for s in range(tid, lim, T):             # child s: parent = the last j with offs[j] <= s
+                lo = 0
+                hi = nf - 1
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if offs[mid] <= s:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                r = s - offs[lo]
+                if d == 0:
+                    p = -1
+                    sp = np.int64(0)
+                    ps = root_state
+                else:
+                    p = f0 + lo
+                    sp = sc[p]
+                    ps = (aux[p] >> 14) - 1
+                i = n + s
+                sc[i] = sp + qrow[r]
+                par[i] = p
+                aux[i] = r | ((d + 1) << 10) | ((child_state(ps, d, r, tm, tdig) + 1) << 14)
+            n += lim
+            if lim > 0:
+                nlev = d + 1
+            if tid == 0:
+                lev[d + 1] = n
+            if total > lim:
+                over = True
+            if over or lim == 0:
+                break
+        cuda.syncthreads()
+        return n, nlev, over
+
+    @cuda.jit(**DEVICE)
+    def body(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n, sc, ints, stats):
+        tid = cuda.threadIdx.x
+        offs = cuda.shared.array(CAP1, np.int32)         # a level's parents: offsets of their children
+        qrow = cuda.shared.array(CAPB, np.int64)         # the children's row of scores (lp in 2^-28 units)
+        nq = cuda.shared.array(CAPB, np.int64)           # the kept nodes: score, preorder
+        nk = cuda.shared.array(CAPB, np.int32)
+        bins = cuda.shared.array(RB, np.int32)
+        lev = cuda.shared.array(LEV, np.int32)
+        tdig = cuda.shared.array(MAX_DEPTH, np.int32)   # tau's rank digits
+        tmp = cuda.shared.array(WARP, np.int64)
+        buf = cuda.shared.array(TBUF, np.int64)
+        shr = cuda.shared.array(3, np.int64)
+        par = ints[0]
+        aux = ints[1]
+        pre = ints[5]
+        tq = q_of(top_lp[0, budget - 1]) if k >= budget else np.int64(LOWEST)
+        tm = -1
+        rounds = 0
+        ties = 0
+        while True:
+            rounds += 1
+            n, nlev, over = enumerate_set(top_lp, k, tq, tm, tdig, sc, ints, offs, qrow, lev, tmp, buf)
+            if not over:
+                break
+            theta, m, eq = kth_largest(sc, pre, n, budget, 0, 0, bins, tmp, buf, shr)
+            if theta > tq:
+                tq = theta
+                tm = -1
+                continue
+            ties += 1                                    # equal scores straddle rank B: tau = the B-th node
+            preorder(n, nlev, lev, sc, ints, tmp, buf)
+            v, _, _ = kth_largest(sc, pre, n, m, 1, theta, bins, tmp, buf, shr)
+            for i in range(tid, n, T):
+                if sc[i] == theta and pre[i] == -v:
+                    shr[0] = i
+            cuda.syncthreads()
+            if tid == 0:
+                e = shr[0]
+                dt = (aux[e] >> 10) & 15
+                tm_new = dt
+                while dt > 0:
+                    tdig[dt - 1] = aux[e] & M10
+                    e = par[e]
+                    dt -= 1
+                shr[1] = tm_new
+            cuda.syncthreads()
+            tq = theta
+            tm = shr[1]
+            cuda.syncthreads()
+        preorder(n, nlev, lev, sc, ints, tmp, buf)
+        theta = np.int64(LOWEST)
+        cut = BIG
+        if n > budget:
+            theta, m, eq = kth_largest(sc, pre, n, budget, 0, 0, bins, tmp, buf, shr)
+            if eq != m:
+                v, _, _ = kth_largest(sc, pre, n, m, 1, theta, bins, tmp, buf, shr)
+                cut = -v
+        count = min(n, budget)
+        base = 0
+        for c in range(0, n, T):                         # the kept nodes, compacted (any order)
+            i = c + tid
+            keep = 0
+            if i < n and (sc[i] > theta or (sc[i] == theta and pre[i] <= cut)):
+                keep = 1
+            ex, tot = block_scan(keep, tmp, buf)
+            if keep == 1:
+                nq[base + ex] = sc[i]
+                nk[base + ex] = pre[i]
+            base += tot
+        cuda.syncthreads()                               # the compaction's writes before the sort reads them
+        sort_pairs(nq, nk, count, PAD_Q, buf)            # (score descending, preorder ascending)
+        node = ints[4]                                   # preorder -> node (the scans are done with)
+        pos = ints[3]                                    # node -> output index
+        for i in range(tid, n, T):
+            node[pre[i]] = i
+        cuda.syncthreads()
+        for j in range(tid, count, T):
+            pos[node[nk[j]]] = j
+        cuda.syncthreads()
+        for j in range(tid, count, T):
+            e = node[nk[j]]
+            a = aux[e]
+            d = (a >> 10) & 15
+            out_tok[j] = top_id[d - 1, a & M10]
+            out_dep[j] = d
+            out_par[j] = pos[par[e]] + 1 if d > 1 else 0
+            out_score[j] = np.float64(nq[j]) / SCALE
+        if tid == 0:
+            out_n[0] = count
+            stats[0] = rounds
+            stats[1] = ties
+            stats[2] = n
+            stats[3] = nlev
+
+    @cuda.jit(**jit)
+    def beam_thresh(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n, sc, ints, stats):
+        body(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n, sc, ints, stats)
+
+    return beam_thresh
