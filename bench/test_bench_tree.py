@@ -49,7 +49,7 @@ def _write_summary(info: dict) -> None:
              f"`device`: the default path (the warp-list beam up to budget {LIST_DEFAULT}, tree_beam above); `beam`: "
              "tree_beam alone; `beam (list)` and `device (list)`: the warp-list beam alone and the whole path with it "
              "(budgets <= 256); `beam (thr)` and `device (thr)`: the threshold beam alone and the whole path with it "
-             "(rounds: its enumerations).",
+             "(budgets <= 512; rounds: its enumerations).",
              "", "| logits | L | budget | tree depth | device | top-K | beam | compile | beam (list) | device (list) "
              "| beam (thr) | device (thr) | rounds | eager | graph | reference | ratio (device) | goal |",
              "| --- " * 18 + "|"]
@@ -57,11 +57,11 @@ def _write_summary(info: dict) -> None:
     for r in ROWS:
         graph = f"{r['graph_us']:.1f}" if r["graph_us"] is not None else "failed"
         same = "" if r["list_same_tree"] in (None, True) else " (DIFFERENT TREE)"
-        tsame = "" if r["thresh_same_tree"] else " (DIFFERENT TREE)"
+        tsame = "" if r["thresh_same_tree"] in (None, True) else " (DIFFERENT TREE)"
         lines.append(f"| {r['kind']} | {r['depth']} | {r['budget']} | {r['tree_depth']} | {r['device_us']:.1f} | {r['topk_device_us']:.1f} | "
                      f"{r['beam_device_us']:.1f} | {r['compile_device_us']:.1f} | {us(r['beam_list_device_us'])}{same} | "
-                     f"{us(r['device_list_us'])} | {r['beam_thresh_device_us']:.1f}{tsame} | {r['device_thresh_us']:.1f} | "
-                     f"{r['thresh_rounds']} | {r['eager_us']:.1f} | {graph} | "
+                     f"{us(r['device_list_us'])} | {us(r['beam_thresh_device_us'])}{tsame} | {us(r['device_thresh_us'])} | "
+                     f"{r['thresh_rounds'] if r['thresh_rounds'] is not None else '-'} | {r['eager_us']:.1f} | {graph} | "
                      f"{r['reference_us']:.0f} | {r['ratio_device']:.0f}x | {r['goal_us']} |")
     with open(os.path.join(out, f"tree_{day}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -98,13 +98,16 @@ def test_tree_device_path(benchmark, provenance, depth, budget, kind):
         list_device = event_median(device_path(opt, x, budget, config=lcfg), ahead=True)
         lt = opt.build_tree(x, budget, config=lcfg)
         list_same = all(torch.equal(getattr(lt, f), getattr(tree, f)) for f in ("tokens", "depths", "parents", "scores"))
-    tcfg = dataclasses.replace(cfg, list_max=0, beam="threshold")      # the threshold beam, its own workspace
-    tt = opt.build_tree(x, budget, config=tcfg)
-    wst = opt._workspace(x.device, depth, VOCAB, k, budget, tcfg)
-    thresh_beam = event_median(lambda: opt._beam_stage(k, budget, wst, tcfg, s, *outs), ahead=True)
-    thresh_device = event_median(device_path(opt, x, budget, config=tcfg), ahead=True)
-    thresh_same = all(torch.equal(getattr(tt, f), getattr(tree, f)) for f in ("tokens", "depths", "parents", "scores"))
-    thresh_stats = wst.thresh_stats.tolist()
+    thresh_beam = thresh_device = thresh_same = None
+    thresh_stats = [None] * 5
+    if budget <= opt.BMAX_THRESH:                # the threshold beam (its own workspace), and the path with it
+        tcfg = dataclasses.replace(cfg, list_max=0, beam="threshold")
+        tt = opt.build_tree(x, budget, config=tcfg)
+        wst = opt._workspace(x.device, depth, VOCAB, k, budget, tcfg)
+        thresh_beam = event_median(lambda: opt._beam_stage(k, budget, wst, tcfg, s, *outs), ahead=True)
+        thresh_device = event_median(device_path(opt, x, budget, config=tcfg), ahead=True)
+        thresh_same = all(torch.equal(getattr(tt, f), getattr(tree, f)) for f in ("tokens", "depths", "parents", "scores"))
+        thresh_stats = wst.thresh_stats.tolist()
     graph, graph_error = None, None
     try:
         graph = graph_median(fn)
@@ -121,9 +124,10 @@ def test_tree_device_path(benchmark, provenance, depth, budget, kind):
                compile_device_us=compile_ * 1e6,
                beam_list_device_us=None if list_beam is None else list_beam * 1e6,
                device_list_us=None if list_device is None else list_device * 1e6, list_same_tree=list_same,
-               beam_thresh_device_us=thresh_beam * 1e6, device_thresh_us=thresh_device * 1e6,
+               beam_thresh_device_us=None if thresh_beam is None else thresh_beam * 1e6,
+               device_thresh_us=None if thresh_device is None else thresh_device * 1e6,
                thresh_same_tree=thresh_same, thresh_rounds=thresh_stats[0], thresh_tuple_thresholds=thresh_stats[1],
-               thresh_nodes=thresh_stats[2], thresh_levels=thresh_stats[3],
+               thresh_nodes=thresh_stats[2], thresh_levels=thresh_stats[3], thresh_preorder=thresh_stats[4],
                graph_us=None if graph is None else graph * 1e6,
                graph_error=graph_error, reference_us=reference * 1e6, ratio_eager=reference / eager,
                ratio_device=reference / device, ratio_graph=None if graph is None else reference / graph,

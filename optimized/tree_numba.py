@@ -30,7 +30,7 @@ import torch
 from numba import cuda
 from .kernels.tree_beam import BMAX, beam_for
 from .kernels.tree_list import LIST_BMAX, MAX_DEPTH, auto_for, list_for
-from .kernels.tree_thresh import SCRATCH_ROWS, STATS, scratch_nodes, thresh_for
+from .kernels.tree_thresh import BMAX_THRESH, SCRATCH_ROWS, STATS, scratch_nodes, thresh_for
 from .kernels.tree_device import SIM, WARP
 from .kernels.tree_topk import (CAP, DIRECT, EPT, NB, PMAX, SORT_NA, TOPK_T, WAVE_BLOCKS, topk_filter,
                                 topk_stats)
@@ -163,11 +163,10 @@ class _Workspace:
         self.top_id = torch.empty(depth, k, dtype=torch.int64, **z)
         self.count = torch.zeros(1, dtype=torch.int64, **z)
         nodes = scratch_nodes(budget) if cfg.beam == "threshold" else 1     # the threshold beam's buffer
-        self.thresh_sc = torch.empty(nodes, dtype=torch.int64, **z)
         self.thresh_ints = torch.empty(SCRATCH_ROWS, nodes, dtype=torch.int32, **z)
-        self.thresh_stats = torch.zeros(STATS, dtype=torch.int32, **z)     # rounds, tuple thresholds, nodes, levels
+        self.thresh_stats = torch.zeros(STATS, dtype=torch.int32, **z)     # tree_thresh.STATS
         names = ("part_m", "part_s", "lse", "hist", "done", "sel", "counters", "cand", "top_lp", "top_id", "count",
-                 "thresh_sc", "thresh_ints", "thresh_stats")
+                 "thresh_ints", "thresh_stats")
         self.a = {name: _arr(getattr(self, name)) for name in names}
 
 
@@ -202,7 +201,7 @@ def _beam_stage(k: int, budget: int, ws: _Workspace, cfg: Config, s, tokens, dep
     out = (a["top_lp"], a["top_id"], k, budget, _arr(tokens), _arr(depths), _arr(parents), _arr(scores), a["count"])
     if budget > cfg.list_max and cfg.beam == "threshold":
         beam, threads = thresh_for(budget, cfg.beam_threads)
-        beam[1, threads, s](*out, a["thresh_sc"], a["thresh_ints"], a["thresh_stats"])
+        beam[1, threads, s](*out, a["thresh_ints"], a["thresh_stats"])
         return
     if budget <= min(cfg.list_max, WARP):
         beam, threads = auto_for(budget)
@@ -228,6 +227,9 @@ def build_tree(draft_logits: torch.Tensor, budget: int, *, check_values: bool = 
         raise ValueError(f"draft_logits has L = {depth} > {MAX_DEPTH} depths: the GPU tree build packs rank "
                          f"tuples of at most {MAX_DEPTH} digits")
     cfg = _check_config(config or DEFAULT_CONFIG)
+    if cfg.beam == "threshold" and cfg.list_max < budget and budget > BMAX_THRESH:
+        raise ValueError(f"budget {budget} > {BMAX_THRESH}: the threshold beam (Config.beam) takes budgets up to "
+                         f"{BMAX_THRESH}; use beam='tree' above that")
     k = min(budget, vocab)
     n = node_count(depth, k, budget)
     ws = _workspace(device, depth, vocab, k, budget, cfg)

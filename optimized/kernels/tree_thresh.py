@@ -50,8 +50,9 @@ NEG = -(2 ** 63)                  # u = key ^ NEG orders int64 keys as unsigned
 RB = 256                          # radix bins (8-bit digits)
 BIG = 2 ** 30                     # a preorder past every node
 M10 = 0x3FF                       # aux = rank | depth << 10 | (state + 1) << 14
-SCRATCH_ROWS = 6                  # int32 scratch rows: parent, aux, first child, subtree size, size scan, preorder
-STATS = 4                         # stats: enumerations, tuple thresholds, nodes and levels of the final one
+SCRATCH_ROWS = 5                  # int32 scratch rows: first child, subtree size, size scan, preorder, preorder -> node
+STATS = 5                         # stats: enumerations, tuple thresholds, nodes and levels of the final one, preorder
+BMAX_THRESH = 64 if SIM else 512  # largest budget: the nodes (4 C of them) live in shared memory (47 KB at 512)
 # At most 512 threads: the kernel keeps ~130 values live; 1024 threads leave 64 registers a thread (ptxas, sm_90:
 # 288 B of spill stores), 512 leave 128 (12 B). Its levels hold a few nodes a thread either way.
 THREADS_MAX = 512
@@ -71,6 +72,8 @@ def scratch_nodes(budget: int) -> int:
 
 
 def thresh_for(budget: int, max_threads: int):
+    if budget > BMAX_THRESH:
+        raise ValueError(f"the threshold beam takes budgets up to {BMAX_THRESH}, got {budget}")
     """(kernel, T): the threshold beam for `budget` in blocks of at most min(max_threads, THREADS_MAX) (a power of
     two >= a warp)."""
     cap = cap_for(budget)
@@ -160,10 +163,11 @@ def _make_thresh(T, GA, CAPF):
 
     @cuda.jit(**DEVICE)
     def key_of(sc, pre, i, mode, thr):
-        """(valid, key): mode 0 every node's score; mode 1 the nodes of score thr, keyed by -preorder."""
+        """(valid, key): mode 0 every node by score; among the nodes of score thr, mode 1 by -preorder and mode 2
+        by -index (breadth-first order)."""
         if mode == 0:
             return True, sc[i]
-        return sc[i] == thr, -np.int64(pre[i])
+        return sc[i] == thr, -np.int64(pre[i]) if mode == 1 else -np.int64(i)
 
     @cuda.jit(**DEVICE)
     def kth_largest(sc, pre, n, kk, mode, thr, bins, tmp, buf, shr):
@@ -232,16 +236,15 @@ def _make_thresh(T, GA, CAPF):
         return prefix ^ np.int64(NEG), kk, cnt
 
     @cuda.jit(**DEVICE)
-    def preorder(n, nlev, lev, sc, ints, tmp, buf):
-        """ints[5, i]: node i's preorder among the n enumerated nodes (the root excluded, from 0). Subtree sizes
-        (ints[3]) and their inclusive scans along each level (ints[4]) bottom-up, then preorder top-down:
+    def preorder(n, nlev, lev, par, ints, tmp, buf):
+        """ints[3, i]: node i's preorder among the n enumerated nodes (the root excluded, from 0). Subtree sizes
+        (ints[1]) and their inclusive scans along each level (ints[2]) bottom-up, then preorder top-down:
         pre(c) = pre(parent) + 1 + the sizes of c's earlier siblings (contiguous in the level)."""
         tid = cuda.threadIdx.x
-        fc = ints[2]
-        sz = ints[3]
-        scan = ints[4]
-        pre = ints[5]
-        par = ints[0]
+        fc = ints[0]
+        sz = ints[1]
+        scan = ints[2]
+        pre = ints[3]
         e = nlev
         while e >= 1:
             a0 = lev[e - 1]
@@ -276,13 +279,10 @@ def _make_thresh(T, GA, CAPF):
             cuda.syncthreads()
 
     @cuda.jit(**DEVICE)
-    def enumerate_set(top_lp, k, tq, tm, tdig, sc, ints, offs, qrow, lev, tmp, buf):
-        """E(tau) breadth-first into sc / ints[0..2] (at most CAP nodes; level e at lev[e-1]..lev[e]).
-        Returns (n, levels, overflowed)."""
+    def enumerate_set(top_lp, k, tq, tm, tdig, sc, par, aux, fc, offs, qrow, lev, tmp, buf):
+        """E(tau) breadth-first into sc / par / aux (shared) and the parents' first-child offsets fc (global, for
+        the preorder): at most CAP nodes, level e at lev[e-1]..lev[e]. Returns (n, levels, overflowed)."""
         tid = cuda.threadIdx.x
-        par = ints[0]
-        aux = ints[1]
-        fc = ints[2]
         nxt = cuda.local.array(GA, np.int64)
         depth = top_lp.shape[0]
         root_state = 0 if tm >= 1 else -1
@@ -314,14 +314,14 @@ def _make_thresh(T, GA, CAPF):
                         cnt = n_children(qrow, k, np.int64(0), root_state, 0, tq, tm, tdig)
                     else:
                         i = f0 + j
-                        cnt = n_children(qrow, k, sc[i], (aux[i] >> 14) - 1, d, tq, tm, tdig)
+                        cnt = n_children(qrow, k, sc[i], (np.int64(aux[i]) >> 14) - 1, d, tq, tm, tdig)
                 ex, tot = block_scan(cnt, tmp, buf)
                 if j < nf:
-                    offs[j] = total + ex
+                    offs[j] = min(total + ex, CAP)       # (clamped: only slots < CAP are materialized)
                 total += tot
             lim = min(total, CAP - n)
             if tid == 0:
-                offs[nf] = total
+                offs[nf] = min(total, CAP)
             cuda.syncthreads()
             if d > 0:
                 for j in range(tid, nf, T):
@@ -343,7 +343,7 @@ def _make_thresh(T, GA, CAPF):
                 else:
                     p = f0 + lo
                     sp = sc[p]
-                    ps = (aux[p] >> 14) - 1
+                    ps = (np.int64(aux[p]) >> 14) - 1
                 i = n + s
                 sc[i] = sp + qrow[r]
                 par[i] = p
@@ -361,11 +361,36 @@ def _make_thresh(T, GA, CAPF):
         return n, nlev, over
 
     @cuda.jit(**DEVICE)
-    def body(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n, sc, ints, stats):
+    def compact_sort(sc, key2, n, theta, cut, count, nq, nk, tmp, buf):
+        """nq / nk[:count] = (score, key2) of the kept nodes (score > theta, or == theta and key2 <= cut), sorted
+        by (score descending, key2 ascending). key2: the preorder, or None for the node index."""
         tid = cuda.threadIdx.x
-        offs = cuda.shared.array(CAP1, np.int32)         # a level's parents: offsets of their children
+        base = 0
+        for c in range(0, n, T):
+            i = c + tid
+            keep = 0
+            k2 = 0
+            if i < n:
+                k2 = i if key2 is None else key2[i]
+                if sc[i] > theta or (sc[i] == theta and k2 <= cut):
+                    keep = 1
+            ex, tot = block_scan(keep, tmp, buf)
+            if keep == 1:
+                nq[base + ex] = sc[i]
+                nk[base + ex] = k2
+            base += tot
+        cuda.syncthreads()                           # the compaction's writes before the sort reads them
+        sort_pairs(nq, nk, count, PAD_Q, buf)
+
+    @cuda.jit(**DEVICE)
+    def body(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n, ints, stats):
+        tid = cuda.threadIdx.x
+        sc = cuda.shared.array(CAP, np.int64)           # the enumerated nodes: score, parent, aux
+        par = cuda.shared.array(CAP, np.int16)
+        aux = cuda.shared.array(CAP, np.uint16)
+        offs = cuda.shared.array(CAP1, np.int32)         # a level's parents: offsets of their children; output index
         qrow = cuda.shared.array(CAPB, np.int64)         # the children's row of scores (lp in 2^-28 units)
-        nq = cuda.shared.array(CAPB, np.int64)           # the kept nodes: score, preorder
+        nq = cuda.shared.array(CAPB, np.int64)           # the kept nodes: score, index or preorder
         nk = cuda.shared.array(CAPB, np.int32)
         bins = cuda.shared.array(RB, np.int32)
         lev = cuda.shared.array(LEV, np.int32)
@@ -373,16 +398,15 @@ def _make_thresh(T, GA, CAPF):
         tmp = cuda.shared.array(WARP, np.int64)
         buf = cuda.shared.array(TBUF, np.int64)
         shr = cuda.shared.array(3, np.int64)
-        par = ints[0]
-        aux = ints[1]
-        pre = ints[5]
+        fc = ints[0]
+        pre = ints[3]
         tq = q_of(top_lp[0, budget - 1]) if k >= budget else np.int64(LOWEST)
         tm = -1
         rounds = 0
         ties = 0
         while True:
             rounds += 1
-            n, nlev, over = enumerate_set(top_lp, k, tq, tm, tdig, sc, ints, offs, qrow, lev, tmp, buf)
+            n, nlev, over = enumerate_set(top_lp, k, tq, tm, tdig, sc, par, aux, fc, offs, qrow, lev, tmp, buf)
             if not over:
                 break
             theta, m, eq = kth_largest(sc, pre, n, budget, 0, 0, bins, tmp, buf, shr)
@@ -391,7 +415,7 @@ def _make_thresh(T, GA, CAPF):
                 tm = -1
                 continue
             ties += 1                                    # equal scores straddle rank B: tau = the B-th node
-            preorder(n, nlev, lev, sc, ints, tmp, buf)
+            preorder(n, nlev, lev, par, ints, tmp, buf)
             v, _, _ = kth_largest(sc, pre, n, m, 1, theta, bins, tmp, buf, shr)
             for i in range(tid, n, T):
                 if sc[i] == theta and pre[i] == -v:
@@ -399,54 +423,77 @@ def _make_thresh(T, GA, CAPF):
             cuda.syncthreads()
             if tid == 0:
                 e = shr[0]
-                dt = (aux[e] >> 10) & 15
-                tm_new = dt
+                dt = (np.int64(aux[e]) >> 10) & 15
+                shr[1] = dt
                 while dt > 0:
-                    tdig[dt - 1] = aux[e] & M10
+                    tdig[dt - 1] = np.int64(aux[e]) & M10
                     e = par[e]
                     dt -= 1
-                shr[1] = tm_new
             cuda.syncthreads()
             tq = theta
             tm = shr[1]
             cuda.syncthreads()
-        preorder(n, nlev, lev, sc, ints, tmp, buf)
+        # The order among equal scores is the rank tuples'. Breadth-first order (the node index) is that order
+        # among nodes of one depth; the preorder is needed only where equal scores meet across depths.
+        count = min(n, budget)
         theta = np.int64(LOWEST)
         cut = BIG
+        mixed = False
         if n > budget:
             theta, m, eq = kth_largest(sc, pre, n, budget, 0, 0, bins, tmp, buf, shr)
-            if eq != m:
-                v, _, _ = kth_largest(sc, pre, n, m, 1, theta, bins, tmp, buf, shr)
-                cut = -v
-        count = min(n, budget)
-        base = 0
-        for c in range(0, n, T):                         # the kept nodes, compacted (any order)
-            i = c + tid
-            keep = 0
-            if i < n and (sc[i] > theta or (sc[i] == theta and pre[i] <= cut)):
-                keep = 1
-            ex, tot = block_scan(keep, tmp, buf)
-            if keep == 1:
-                nq[base + ex] = sc[i]
-                nk[base + ex] = pre[i]
-            base += tot
-        cuda.syncthreads()                               # the compaction's writes before the sort reads them
-        sort_pairs(nq, nk, count, PAD_Q, buf)            # (score descending, preorder ascending)
-        node = ints[4]                                   # preorder -> node (the scans are done with)
-        pos = ints[3]                                    # node -> output index
-        for i in range(tid, n, T):
-            node[pre[i]] = i
+            if eq != m:                                  # ties straddle rank B: are they of one depth?
+                if tid == 0:
+                    shr[0] = 0
+                    shr[1] = MAX_DEPTH + 1
+                cuda.syncthreads()
+                for i in range(tid, n, T):
+                    if sc[i] == theta:
+                        d = (np.int64(aux[i]) >> 10) & 15
+                        cuda.atomic.max(shr, 0, d)
+                        cuda.atomic.min(shr, 1, d)
+                cuda.syncthreads()
+                mixed = shr[0] != shr[1]
+                cuda.syncthreads()
+                if not mixed:
+                    v, _, _ = kth_largest(sc, pre, n, m, 2, theta, bins, tmp, buf, shr)
+                    cut = -v
+        if not mixed:
+            compact_sort(sc, None, n, theta, cut, count, nq, nk, tmp, buf)
+            if tid == 0:
+                shr[0] = 0
+            cuda.syncthreads()
+            for j in range(1 + tid, count, T):           # equal scores across depths among the kept ones?
+                if nq[j] == nq[j - 1] and (np.int64(aux[nk[j]]) >> 10) & 15 != (np.int64(aux[nk[j - 1]]) >> 10) & 15:
+                    shr[0] = 1
+            cuda.syncthreads()
+            mixed = shr[0] != 0
+            cuda.syncthreads()
+        if mixed:                                        # rare (lp == 0 chains, contrived logits): by preorder
+            preorder(n, nlev, lev, par, ints, tmp, buf)
+            if n > budget:
+                theta, m, eq = kth_largest(sc, pre, n, budget, 0, 0, bins, tmp, buf, shr)
+                cut = BIG
+                if eq != m:
+                    v, _, _ = kth_largest(sc, pre, n, m, 1, theta, bins, tmp, buf, shr)
+                    cut = -v
+            compact_sort(sc, pre, n, theta, cut, count, nq, nk, tmp, buf)
+            node = ints[4]                               # preorder -> node
+            for i in range(tid, n, T):
+                node[pre[i]] = i
+            cuda.syncthreads()
+            for j in range(tid, count, T):
+                nk[j] = node[nk[j]]
+            cuda.syncthreads()
+        for j in range(tid, count, T):                   # node -> output index
+            offs[nk[j]] = j
         cuda.syncthreads()
         for j in range(tid, count, T):
-            pos[node[nk[j]]] = j
-        cuda.syncthreads()
-        for j in range(tid, count, T):
-            e = node[nk[j]]
-            a = aux[e]
+            e = nk[j]
+            a = np.int64(aux[e])
             d = (a >> 10) & 15
             out_tok[j] = top_id[d - 1, a & M10]
             out_dep[j] = d
-            out_par[j] = pos[par[e]] + 1 if d > 1 else 0
+            out_par[j] = offs[par[e]] + 1 if d > 1 else 0
             out_score[j] = np.float64(nq[j]) / SCALE
         if tid == 0:
             out_n[0] = count
@@ -454,9 +501,10 @@ def _make_thresh(T, GA, CAPF):
             stats[1] = ties
             stats[2] = n
             stats[3] = nlev
+            stats[4] = 1 if mixed else 0
 
     @cuda.jit(**jit)
-    def beam_thresh(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n, sc, ints, stats):
-        body(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n, sc, ints, stats)
+    def beam_thresh(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n, ints, stats):
+        body(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n, ints, stats)
 
     return beam_thresh
