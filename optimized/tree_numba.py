@@ -3,7 +3,8 @@
 Same signatures as reference/tree.py (and the same node SET and ORDER, ties included; see its docstring);
 tensors stay on the device. Kernels: optimized/kernels/tree_topk.py (per-depth top-K), tree_beam.py
 (best-first selection, a depth per step), tree_list.py (best-first selection, a node per step, one warp: budgets
-up to Config.list_max), tree_verify.py (compile, follow, commit).
+up to Config.list_max), tree_thresh.py (the set at or before a threshold, a level at a time: Config.beam =
+"threshold", opt-in), tree_verify.py (compile, follow, commit).
 
     tree     = build_tree(draft_logits, budget)          # [L, V] on the GPU -> Tree on the GPU
     compiled = compile_tree(tree, root_token, start)     # CompiledTree + visibility_bits (packed, below)

@@ -22,18 +22,23 @@ Algorithm (exact):
           prefix-closed set) gives a later threshold with |E| >= B still: its B-th best score theta if theta > s
           (tau = (theta, +inf)); else (equal scores straddle rank B) the node of score theta that is B-th in the
           order, found by the buffer's preorder (tau = that node). Each step moves tau strictly earlier, so it ends.
-    final: preorder of E (subtree sizes bottom-up, then preorder top-down, a level at a time); the B-th score theta
-          by a radix select, and, when equal scores straddle rank B, the cut among them by preorder; the kept B
-          nodes sorted by (score descending, preorder ascending) -- the reference's order, since preorder is the
-          lexicographic order of rank tuples -- and written out with parents as output indices.
-The host prototype on the bench's rows (bench/results/tree_2026-12-02.md, stop 34): one enumeration on normal
-rows (2-4 levels), 1-3 on draft-like ones at CAP_FACTOR = 4 (11-29 levels in all at L = 7 and 15).
+    final: the B-th score theta by a radix select (when equal scores straddle rank B, the cut among them by
+          breadth-first index if they share a depth); the kept B nodes sorted by (score descending, breadth-first
+          index ascending), which is the reference's order (breadth-first order is the rank tuples' order within a
+          depth) unless equal scores meet across depths: a check after the sort, and then everything again by the
+          preorder of E (subtree sizes bottom-up, preorder top-down, a level at a time; the lexicographic order of
+          rank tuples). Written out with parents as output indices.
+The host prototype on the bench's rows (bench/results/tree_2026-12-02.md, stop 33): one enumeration on normal
+rows (2-4 levels), 1-3 on draft-like ones at CAP_FACTOR = 4. Measured (stop 34, H100): exact, but faster than
+tree_beam only on the deepest rows (L = 15, budget 64 / 256: 42.0 / 107.2 us against 53.7 / 110.4); a level costs
+~3.5 us, not the ~1.3 us its steps add up to (the notes say what is suspected). Hence opt-in.
 
-Launch geometry: one block of T threads (T = min(beam_threads, THREADS_MAX, C), a power of two); each thread holds C / T row
-values and sort slots. Shared memory: the parents' child offsets (int32 [CAP + 1], 16 KB at B = 1024), the row
-(int64 [C]), the sort pairs (12 B x C), 256 radix bins. The enumerated nodes live in a global scratch of the
-workspace (scores int64 [CAP]; parents, aux, first-child offsets, subtree sizes, size scans and preorder int32
-[6, CAP]): L2-resident, each level reads and writes them once, coalesced.
+Launch geometry: one block of T threads (T = min(beam_threads, THREADS_MAX, C), a power of two); each thread holds
+C / T row values and sort slots. Shared memory (44 KB at budget 512, the largest): the enumerated nodes (score
+int64, parent int16, aux uint16: rank | depth << 10 | (state + 1) << 14; CAP = 4 C of them), the parents' child
+offsets (int32 [CAP + 1], then the output index of each node), the row (int64 [C]), the sort pairs (12 B x C), 256
+radix bins. The preorder's arrays (first child, subtree size, size scan, preorder, preorder -> node: int32 [5, CAP])
+are a global scratch of the workspace: only the tie routes read them.
 """
 from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shim)
 
