@@ -360,7 +360,8 @@ THRESH_CASES = [
 
 def thresh_stats(opt, depth: int, vocab: int, budget: int) -> list:
     """The threshold beam's counters from the last build's workspace: rounds, tuple thresholds, nodes, levels,
-    whether the order needed the preorder (equal scores across depths)."""
+    routes (bit 0: the order needed the preorder, equal scores across depths; bit 1: ties at rank B of one depth
+    were cut by breadth-first index)."""
     return [w for key, w in opt._workspaces.items() if key[1:3] == (depth, vocab) and key[4] == budget][-1] \
         .thresh_stats.tolist()
 
@@ -380,8 +381,9 @@ def test_sim_threshold_beam_refines_through_ties(sim, monkeypatch):
     """A buffer of 2 C nodes (CAP_FACTOR = 2, the least that still moves the threshold) makes the enumeration
     overflow and the threshold move: by the buffer's B-th score, and -- where equal scores straddle rank B, as on
     peaked rows (lp == 0 chains: the ties at -200 outnumber the buffer) -- by the B-th node in tuple order. The
-    counters say both paths ran, and that the final order took both routes: breadth-first (equal scores within a
-    depth) and the preorder (equal scores across depths, lp == 0); the trees are the reference's."""
+    counters say both paths ran, and that the final order took every route: breadth-first (equal scores within a
+    depth; ties at rank B of one depth cut by index) and the preorder (equal scores across depths, lp == 0); the
+    trees are the reference's."""
     from optimized.kernels import tree_thresh
     monkeypatch.setattr(tree_thresh, "CAP_FACTOR", 2)
     cfg = sim.Config(8, 64, 8, 8, beam="threshold")
@@ -394,7 +396,9 @@ def test_sim_threshold_beam_refines_through_ties(sim, monkeypatch):
         seen.append((kind, thresh_stats(sim, depth, vocab, budget)))
     assert any(rounds > 1 for _, (rounds, _, _, _, _) in seen), seen
     assert any(ties > 0 for _, (_, ties, _, _, _) in seen), seen
-    assert {pre for _, (_, _, _, _, pre) in seen} == {0, 1}, seen     # breadth-first order and the preorder
+    routes = [r for _, (_, _, _, _, r) in seen]
+    assert any(r & 1 == 0 for r in routes) and any(r & 1 for r in routes), seen   # breadth-first order, preorder
+    assert any(r & 2 for r in routes), seen                # ties at rank B of one depth, cut by breadth-first index
 
 
 @sim_only
@@ -618,7 +622,7 @@ def test_gpu_threshold_beam_full_shapes_match_reference(gpu, depth, budget, kind
     got = gpu.build_tree(x, budget, config=cfg, check_values=True)
     assert got.tokens.is_cuda
     assert_same_tree(got, ref.build_tree(x, budget), f"threshold beam {kind} L={depth} B={budget}")
-    print(f"threshold beam {kind} L={depth} B={budget}: rounds, tuple thresholds, nodes, levels, preorder = "
+    print(f"threshold beam {kind} L={depth} B={budget}: rounds, tuple thresholds, nodes, levels, routes = "
           f"{thresh_stats(gpu, depth, FULL_V, budget)}")
 
 

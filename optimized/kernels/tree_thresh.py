@@ -56,7 +56,8 @@ RB = 256                          # radix bins (8-bit digits)
 BIG = 2 ** 30                     # a preorder past every node
 M10 = 0x3FF                       # aux = rank | depth << 10 | (state + 1) << 14
 SCRATCH_ROWS = 5                  # int32 scratch rows: first child, subtree size, size scan, preorder, preorder -> node
-STATS = 5                         # stats: enumerations, tuple thresholds, nodes and levels of the final one, preorder
+STATS = 5                         # stats: enumerations, tuple thresholds, nodes and levels of the final one, routes
+                                  #   (bit 0: ordered by preorder; bit 1: ties at rank B cut by breadth-first index)
 BMAX_THRESH = 64 if SIM else 512  # largest budget: the nodes (4 C of them) live in shared memory (47 KB at 512)
 # At most 512 threads: the kernel keeps ~130 values live; 1024 threads leave 64 registers a thread (ptxas, sm_90:
 # 288 B of spill stores), 512 leave 128 (12 B). Its levels hold a few nodes a thread either way.
@@ -366,9 +367,9 @@ def _make_thresh(T, GA, CAPF):
         return n, nlev, over
 
     @cuda.jit(**DEVICE)
-    def compact_sort(sc, key2, n, theta, cut, count, nq, nk, tmp, buf):
-        """nq / nk[:count] = (score, key2) of the kept nodes (score > theta, or == theta and key2 <= cut), sorted
-        by (score descending, key2 ascending). key2: the preorder, or None for the node index."""
+    def compact_sort(sc, pre, usepre, n, theta, cut, count, nq, nk, tmp, buf):
+        """nq / nk[:count] = (score, key) of the kept nodes (score > theta, or == theta and key <= cut), sorted by
+        (score descending, key ascending); key: the preorder if usepre, else the node index."""
         tid = cuda.threadIdx.x
         base = 0
         for c in range(0, n, T):
@@ -376,7 +377,7 @@ def _make_thresh(T, GA, CAPF):
             keep = 0
             k2 = 0
             if i < n:
-                k2 = i if key2 is None else key2[i]
+                k2 = pre[i] if usepre else i
                 if sc[i] > theta or (sc[i] == theta and k2 <= cut):
                     keep = 1
             ex, tot = block_scan(keep, tmp, buf)
@@ -409,80 +410,92 @@ def _make_thresh(T, GA, CAPF):
         tm = -1
         rounds = 0
         ties = 0
-        while True:
-            rounds += 1
+        count = 0
+        usepre = False
+        done = False
+        routes = 0
+        # One call site per phase (the kernel's code is the cost of a cold instruction cache at every launch):
+        # each pass of the outer loop enumerates E(tau); the inner loop orders it, once by breadth-first index and
+        # once more by preorder where equal scores meet across depths (or straddle rank B in an overflowed buffer).
+        while not done:
             n, nlev, over = enumerate_set(top_lp, k, tq, tm, tdig, sc, par, aux, fc, offs, qrow, lev, tmp, buf)
-            if not over:
-                break
-            theta, m, eq = kth_largest(sc, pre, n, budget, 0, 0, bins, tmp, buf, shr)
-            if theta > tq:
-                tq = theta
-                tm = -1
-                continue
-            ties += 1                                    # equal scores straddle rank B: tau = the B-th node
-            preorder(n, nlev, lev, par, ints, tmp, buf)
-            v, _, _ = kth_largest(sc, pre, n, m, 1, theta, bins, tmp, buf, shr)
-            for i in range(tid, n, T):
-                if sc[i] == theta and pre[i] == -v:
-                    shr[0] = i
-            cuda.syncthreads()
-            if tid == 0:
-                e = shr[0]
-                dt = (np.int64(aux[e]) >> 10) & 15
-                shr[1] = dt
-                while dt > 0:
-                    tdig[dt - 1] = np.int64(aux[e]) & M10
-                    e = par[e]
-                    dt -= 1
-            cuda.syncthreads()
-            tq = theta
-            tm = shr[1]
-            cuda.syncthreads()
-        # The order among equal scores is the rank tuples'. Breadth-first order (the node index) is that order
-        # among nodes of one depth; the preorder is needed only where equal scores meet across depths.
-        count = min(n, budget)
-        theta = np.int64(LOWEST)
-        cut = BIG
-        mixed = False
-        if n > budget:
-            theta, m, eq = kth_largest(sc, pre, n, budget, 0, 0, bins, tmp, buf, shr)
-            if eq != m:                                  # ties straddle rank B: are they of one depth?
+            rounds += 1
+            usepre = False
+            while True:
+                if usepre:
+                    preorder(n, nlev, lev, par, ints, tmp, buf)
+                theta = np.int64(LOWEST)
+                m = np.int64(0)
+                eq = np.int64(0)
+                if over or n > budget:
+                    theta, m, eq = kth_largest(sc, pre, n, budget, 0, 0, bins, tmp, buf, shr)
+                if over and theta > tq:                  # the buffer's B-th score moves tau
+                    tq = theta
+                    tm = -1
+                    break
+                straddle = eq != m
+                if straddle and not usepre:              # ties at rank B: do they share a depth?
+                    if tid == 0:
+                        shr[1] = 0
+                        shr[2] = MAX_DEPTH + 1
+                    cuda.syncthreads()
+                    for i in range(tid, n, T):
+                        if sc[i] == theta:
+                            d = (np.int64(aux[i]) >> 10) & 15
+                            cuda.atomic.max(shr, 1, d)
+                            cuda.atomic.min(shr, 2, d)
+                    cuda.syncthreads()
+                    mixed = shr[1] != shr[2]
+                    cuda.syncthreads()
+                    if over or mixed:                    # an overflowed buffer always needs tau's tuple
+                        usepre = True
+                        continue
+                cut = BIG
+                if straddle:
+                    v, _, _ = kth_largest(sc, pre, n, m, 1 if usepre else 2, theta, bins, tmp, buf, shr)
+                    cut = -v
+                if over:                                 # tau = the B-th node (by preorder)
+                    ties += 1
+                    for i in range(tid, n, T):
+                        if sc[i] == theta and pre[i] == cut:
+                            shr[0] = i
+                    cuda.syncthreads()
+                    if tid == 0:
+                        e = shr[0]
+                        dt = (np.int64(aux[e]) >> 10) & 15
+                        shr[1] = dt
+                        while dt > 0:
+                            tdig[dt - 1] = np.int64(aux[e]) & M10
+                            e = par[e]
+                            dt -= 1
+                    cuda.syncthreads()
+                    tq = theta
+                    tm = shr[1]
+                    cuda.syncthreads()
+                    break
+                count = min(n, budget)
+                if straddle and not usepre:
+                    routes |= 2
+                compact_sort(sc, pre, usepre, n, theta, cut, count, nq, nk, tmp, buf)
+                if usepre:
+                    done = True
+                    break
                 if tid == 0:
                     shr[0] = 0
-                    shr[1] = MAX_DEPTH + 1
                 cuda.syncthreads()
-                for i in range(tid, n, T):
-                    if sc[i] == theta:
-                        d = (np.int64(aux[i]) >> 10) & 15
-                        cuda.atomic.max(shr, 0, d)
-                        cuda.atomic.min(shr, 1, d)
+                for j in range(1 + tid, count, T):       # equal scores across depths among the kept ones?
+                    if nq[j] == nq[j - 1] and (np.int64(aux[nk[j]]) >> 10) & 15 != (np.int64(aux[nk[j - 1]]) >> 10) & 15:
+                        shr[0] = 1
                 cuda.syncthreads()
-                mixed = shr[0] != shr[1]
+                mixed = shr[0] != 0
                 cuda.syncthreads()
-                if not mixed:
-                    v, _, _ = kth_largest(sc, pre, n, m, 2, theta, bins, tmp, buf, shr)
-                    cut = -v
-        if not mixed:
-            compact_sort(sc, None, n, theta, cut, count, nq, nk, tmp, buf)
-            if tid == 0:
-                shr[0] = 0
-            cuda.syncthreads()
-            for j in range(1 + tid, count, T):           # equal scores across depths among the kept ones?
-                if nq[j] == nq[j - 1] and (np.int64(aux[nk[j]]) >> 10) & 15 != (np.int64(aux[nk[j - 1]]) >> 10) & 15:
-                    shr[0] = 1
-            cuda.syncthreads()
-            mixed = shr[0] != 0
-            cuda.syncthreads()
-        if mixed:                                        # rare (lp == 0 chains, contrived logits): by preorder
-            preorder(n, nlev, lev, par, ints, tmp, buf)
-            if n > budget:
-                theta, m, eq = kth_largest(sc, pre, n, budget, 0, 0, bins, tmp, buf, shr)
-                cut = BIG
-                if eq != m:
-                    v, _, _ = kth_largest(sc, pre, n, m, 1, theta, bins, tmp, buf, shr)
-                    cut = -v
-            compact_sort(sc, pre, n, theta, cut, count, nq, nk, tmp, buf)
-            node = ints[4]                               # preorder -> node
+                if mixed:                                # rare (lp == 0 chains, contrived logits): by preorder
+                    usepre = True
+                    continue
+                done = True
+                break
+        if usepre:                                       # preorder -> node
+            node = ints[4]
             for i in range(tid, n, T):
                 node[pre[i]] = i
             cuda.syncthreads()
@@ -506,7 +519,7 @@ def _make_thresh(T, GA, CAPF):
             stats[1] = ties
             stats[2] = n
             stats[3] = nlev
-            stats[4] = 1 if mixed else 0
+            stats[4] = routes | (1 if usepre else 0)
 
     @cuda.jit(**jit)
     def beam_thresh(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n, ints, stats):
