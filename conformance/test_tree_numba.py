@@ -486,6 +486,72 @@ def probe(top_lp, k, budget, out):
     assert set(built) == {True, False}, built
 
 
+def rel_of(ps: int, d: int, r: int, tm: int, tdig) -> int:
+    """Child (p, r)'s place against tau's rank tuple (-1 before, 0 a prefix of it or tau, +1 after), p of depth d
+    in place ps; the definition tree_thresh.child_state implements."""
+    if ps != 0:
+        return ps
+    if d == tm:
+        return 1                                              # an extension of tau: after it
+    return -1 if r < tdig[d] else (0 if r == tdig[d] else 1)
+
+
+@sim_only
+def test_sim_threshold_children_count_by_brute_force():
+    """tree_thresh.n_children (the count of a parent's children that enter E(tau)) and child_state (a child's place
+    against tau's tuple), against the definitions: child (p, r) enters iff its score > tq, or == tq and its rank
+    tuple is at or before tau's (before tau, or a prefix of it). Random sorted rows with many equal values, every
+    parent state (before / on tau's path at each depth / after), every tau depth, parent scores around the
+    threshold; the entering ranks must also be a prefix. (Dropping the max(t + 1, b) branch, or merging "on the
+    path" into "before", fails here; the whole-tree tests did not catch either.)"""
+    import numpy as np
+    from optimized.kernels import tree_thresh
+    src = """
+def probe(rows, k, sps, pss, ds, tq, tm, tdig, out):
+    i = cuda.threadIdx.x + cuda.blockIdx.x * cuda.blockDim.x
+    if i < sps.shape[0]:
+        out[i] = Th.n_children(rows[i], k, sps[i], pss[i], ds[i], tq, tm, tdig)
+"""
+    probe = sim_kernel(src, "probe", Th=tree_thresh)
+    src_state = """
+def probe_state(pss, ds, rs, tm, tdig, out):
+    i = cuda.threadIdx.x + cuda.blockIdx.x * cuda.blockDim.x
+    if i < pss.shape[0]:
+        out[i] = Th.child_state(pss[i], ds[i], rs[i], tm, tdig)
+"""
+    probe_state = sim_kernel(src_state, "probe_state", Th=tree_thresh)
+    rng = np.random.default_rng(7)
+    checked = 0
+    for trial in range(40):
+        k = int(rng.integers(1, 9))
+        tm = int(rng.integers(1, 5))
+        tdig = rng.integers(0, k, 8).astype(np.int32)
+        tq = int(rng.integers(-6, 1))
+        rows, sps, pss, ds, want = [], [], [], [], []
+        for _ in range(16):
+            row = np.sort(-rng.integers(0, 4, k).astype(np.int64))[::-1].copy()   # <= 0, descending, with ties
+            ps = int(rng.integers(-1, 2))
+            d = int(rng.integers(0, tm + 1)) if ps == 0 else int(rng.integers(0, 6))
+            sp = tq + int(rng.integers(-1, 4))
+            enter = [sp + row[r] > tq or (sp + row[r] == tq and rel_of(ps, d, r, tm, tdig) <= 0) for r in range(k)]
+            assert enter == sorted(enter, reverse=True), "entering ranks are not a prefix"
+            rels = np.zeros(k, np.int64)
+            probe_state[1, 8](np.full(k, ps, np.int64), np.full(k, d, np.int64), np.arange(k, dtype=np.int64), tm, tdig,
+                              rels)
+            assert rels.tolist() == [rel_of(ps, d, r, tm, tdig) for r in range(k)]
+            rows.append(np.pad(row, (0, 8 - k)))
+            sps.append(sp)
+            pss.append(ps)
+            ds.append(d)
+            want.append(sum(enter))
+        out = np.zeros(16, np.int64)
+        probe[4, 4](np.array(rows), k, np.array(sps, np.int64), np.array(pss, np.int64), np.array(ds, np.int64),
+                    tq, tm, tdig, out)
+        assert out.tolist() == want, (trial, k, tm, tdig.tolist(), tq, list(zip(sps, pss, ds)))
+        checked += 16
+    assert checked == 640
+
+
 @sim_only
 def test_sim_radix_select_from_the_first_differing_digit():
     """tree_topk.radix_select over distinct keys in shared memory returns the k-th largest for every k, whichever
