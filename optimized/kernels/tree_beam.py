@@ -36,7 +36,7 @@ from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shi
 import numpy as np
 from numba import cuda
 
-from .tree_device import DEVICE, SIM, TBUF, WARP, block_scan, n_first, pair_sort
+from .tree_device import DEVICE, SIM, TBUF, WARP, block_scan, last_at_most, n_first, pair_sort
 
 BMAX = 64 if SIM else 1024        # largest budget (and K)
 BMAX1 = BMAX + 1
@@ -186,27 +186,12 @@ def _make_beam(T, GA, NA):
                 cuda.syncthreads()
                 if total == 0:
                     break
-                lo = 0                                   # batch: parents [0, nb) with off[nb] <= NEWCAP
-                hi = nrem
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    if off[mid] <= NEWCAP:
-                        lo = mid
-                    else:
-                        hi = mid - 1
-                nb = lo
+                nb = last_at_most(off, 0, nrem, NEWCAP)  # batch: parents [0, nb) with off[nb] <= NEWCAP
                 n = off[nb]
                 for a in range(NA):                      # materialize, row-major: (parent jl, rank r)
                     s = tid + a * T
                     if s < n:
-                        lo = 0
-                        hi = nb - 1
-                        while lo < hi:                   # last parent whose offset is <= s
-                            mid = (lo + hi + 1) // 2
-                            if off[mid] <= s:
-                                lo = mid
-                            else:
-                                hi = mid - 1
+                        lo = last_at_most(off, 0, nb - 1, s)    # the last parent whose offset is <= s
                         r = s - off[lo]
                         p = fr[nproc + lo]
                         sq[a] = gq[p] + q_of(lp[r])

@@ -181,6 +181,56 @@ def block_scan(val, tmp, buf):
     return before + x - np.int64(val), total
 
 
+_find_bins: dict = {}
+
+
+def find_bin_for(T: int):
+    """Device function find_bin(bins, nbins, k, tmp, buf, shr) for blocks of T threads (0: cuda.blockDim.x, read at
+    run time): (b, r), the bin of bins[:nbins] holding the k-th largest item (1-based, counted from the top bin) and
+    k's rank inside it. Each thread sums a run of bins, one block scan finds the run, its thread the bin. shr: shared
+    int64 [>= 2]."""
+    if T in _find_bins:
+        return _find_bins[T]
+
+    @cuda.jit(**DEVICE)
+    def find_bin(bins, nbins, k, tmp, buf, shr):
+        tid = cuda.threadIdx.x
+        nt = T if T > 0 else cuda.blockDim.x
+        per = (nbins + nt - 1) // nt
+        local = np.int64(0)
+        for q in range(tid * per, min(nbins, (tid + 1) * per)):
+            local += bins[nbins - 1 - q]
+        before, _ = block_scan(local, tmp, buf)
+        if before < k <= before + local:
+            cum = before
+            for q in range(tid * per, min(nbins, (tid + 1) * per)):
+                c = bins[nbins - 1 - q]
+                if cum + c >= k:
+                    shr[0] = nbins - 1 - q
+                    shr[1] = k - cum
+                    break
+                cum += c
+        cuda.syncthreads()
+        b, r = shr[0], shr[1]
+        cuda.syncthreads()
+        return b, r
+
+    _find_bins[T] = find_bin
+    return find_bin
+
+
+@cuda.jit(**DEVICE)
+def last_at_most(arr, lo, hi, v):
+    """The last index i in [lo, hi] with arr[i] <= v, arr non-decreasing and arr[lo] <= v (binary search)."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if arr[mid] <= v:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 @cuda.jit(**DEVICE)
 def grid_log_prob(x, lse):
     """reference.tree.draft_log_probs for one fp32 logit: fp32(x - lse), floored at -2^21, rounded half-even

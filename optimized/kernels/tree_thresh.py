@@ -46,7 +46,7 @@ import numpy as np
 from numba import cuda
 
 from .tree_beam import PAD_Q, SCALE, q_of
-from .tree_device import DEVICE, SIM, TBUF, WARP, block_scan, pair_sort
+from .tree_device import DEVICE, SIM, TBUF, WARP, block_scan, find_bin_for, last_at_most, pair_sort
 from .tree_list import MAX_DEPTH
 
 CAP_FACTOR = 4                    # the enumeration buffer holds CAP_FACTOR * C nodes (>= 2: a step must move tau)
@@ -144,28 +144,7 @@ def _make_thresh(T, GA, CAPF):
     jit = {} if SIM else {"launch_bounds": T}
     sort_pairs = pair_sort(GA)
 
-    @cuda.jit(**DEVICE)
-    def find_bin(bins, kk, tmp, buf, shr):
-        """(b, r): the bin holding the kk-th largest key (1-based, from the top bin) and kk's rank inside it."""
-        tid = cuda.threadIdx.x
-        per = (RB + T - 1) // T
-        local = np.int64(0)
-        for q in range(tid * per, min(RB, (tid + 1) * per)):
-            local += bins[RB - 1 - q]
-        before, _ = block_scan(local, tmp, buf)
-        if before < kk <= before + local:
-            cum = before
-            for q in range(tid * per, min(RB, (tid + 1) * per)):
-                c = bins[RB - 1 - q]
-                if cum + c >= kk:
-                    shr[0] = RB - 1 - q
-                    shr[1] = kk - cum
-                    break
-                cum += c
-        cuda.syncthreads()
-        b, r = shr[0], shr[1]
-        cuda.syncthreads()
-        return b, r
+    find_bin = find_bin_for(T)
 
     @cuda.jit(**DEVICE)
     def key_of(sc, pre, i, mode, thr):
@@ -226,7 +205,7 @@ def _make_thresh(T, GA, CAPF):
                 if ok and (d == d0 or ((u >> (shift + 8)) & (high - 1)) == prefix):
                     cuda.atomic.add(bins, (u >> shift) & 0xFF, 1)
             cuda.syncthreads()
-            b, kk = find_bin(bins, kk, tmp, buf, shr)
+            b, kk = find_bin(bins, RB, kk, tmp, buf, shr)
             prefix = (prefix << 8) | b
             cnt = np.int64(bins[b])
             cuda.syncthreads()                       # every thread has read bins[b] before it is cleared
@@ -333,14 +312,7 @@ def _make_thresh(T, GA, CAPF):
                 for j in range(tid, nf, T):
                     fc[f0 + j] = n + min(offs[j], lim)
             for s in range(tid, lim, T):             # child s: parent = the last j with offs[j] <= s
-                lo = 0
-                hi = nf - 1
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    if offs[mid] <= s:
-                        lo = mid
-                    else:
-                        hi = mid - 1
+                lo = last_at_most(offs, 0, nf - 1, s)
                 r = s - offs[lo]
                 if d == 0:
                     p = -1

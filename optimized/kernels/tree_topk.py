@@ -36,7 +36,7 @@ import numpy as np
 from numba import cuda
 
 from .tree_device import (DEVICE, EXP_TAB, KERNEL, LP_FLOOR, SIM, TBUF, WARP, ballot, block_scan, exp_le0,
-                          f32_bits, grid_log_prob, key_value, pair_sort, shfl_idx, shfl_xor,
+                          f32_bits, find_bin_for, grid_log_prob, key_value, pair_sort, shfl_idx, shfl_xor,
                           sortable_key)
 
 NB = 4096            # digit-0 histogram bins: the top 12 bits of the 32-bit sortable key
@@ -132,30 +132,7 @@ def block_max_sum(m, s, wm, ws, fbuf):
     return mm, total
 
 
-@cuda.jit(**DEVICE)
-def find_bin(bins, nbins, k, tmp, buf, shr):
-    """(b, r): the bin of bins[:nbins] holding the k-th largest item (1-based, counted from the top bin) and k's
-    rank inside it. Each thread sums a run of bins, one block scan finds the run, its thread the bin."""
-    tid = cuda.threadIdx.x
-    T = cuda.blockDim.x if SIM else TOPK_T
-    per = (nbins + T - 1) // T
-    local = np.int64(0)
-    for q in range(tid * per, min(nbins, (tid + 1) * per)):
-        local += bins[nbins - 1 - q]
-    before, _ = block_scan(local, tmp, buf)
-    if before < k <= before + local:
-        cum = before
-        for q in range(tid * per, min(nbins, (tid + 1) * per)):
-            c = bins[nbins - 1 - q]
-            if cum + c >= k:
-                shr[0] = nbins - 1 - q
-                shr[1] = k - cum
-                break
-            cum += c
-    cuda.syncthreads()
-    b, r = shr[0], shr[1]
-    cuda.syncthreads()
-    return b, r
+find_bin = find_bin_for(0 if SIM else TOPK_T)   # (the simulator's blocks come in several sizes)
 
 
 @cuda.jit(**TOPK_JIT)
