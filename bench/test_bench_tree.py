@@ -106,7 +106,8 @@ def test_tree_device_path(benchmark, provenance, depth, budget, kind):
         wst = opt._workspace(x.device, depth, VOCAB, k, budget, tcfg)
         thresh_beam = event_median(lambda: opt._beam_stage(k, budget, wst, tcfg, s, *outs), ahead=True)
         thresh_device = event_median(device_path(opt, x, budget, config=tcfg), ahead=True)
-        thresh_same = all(torch.equal(getattr(tt, f), getattr(tree, f)) for f in ("tokens", "depths", "parents", "scores"))
+        thresh_same = all(torch.equal(getattr(tt, f), getattr(tree, f))
+                          for f in ("tokens", "depths", "parents", "scores"))
         thresh_stats = wst.thresh_stats.tolist()
     graph, graph_error = None, None
     try:

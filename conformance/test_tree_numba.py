@@ -536,8 +536,8 @@ def probe_state(pss, ds, rs, tm, tdig, out):
             enter = [sp + row[r] > tq or (sp + row[r] == tq and rel_of(ps, d, r, tm, tdig) <= 0) for r in range(k)]
             assert enter == sorted(enter, reverse=True), "entering ranks are not a prefix"
             rels = np.zeros(k, np.int64)
-            probe_state[1, 8](np.full(k, ps, np.int64), np.full(k, d, np.int64), np.arange(k, dtype=np.int64), tm, tdig,
-                              rels)
+            probe_state[1, 8](np.full(k, ps, np.int64), np.full(k, d, np.int64), np.arange(k, dtype=np.int64),
+                              tm, tdig, rels)
             assert rels.tolist() == [rel_of(ps, d, r, tm, tdig) for r in range(k)]
             rows.append(np.pad(row, (0, 8 - k)))
             sps.append(sp)

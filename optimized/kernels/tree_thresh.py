@@ -456,7 +456,8 @@ def _make_thresh(T, GA, CAPF):
                     shr[0] = 0
                 cuda.syncthreads()
                 for j in range(1 + tid, count, T):       # equal scores across depths among the kept ones?
-                    if nq[j] == nq[j - 1] and (np.int64(aux[nk[j]]) >> 10) & 15 != (np.int64(aux[nk[j - 1]]) >> 10) & 15:
+                    da = (np.int64(aux[nk[j]]) >> 10) & 15
+                    if nq[j] == nq[j - 1] and da != (np.int64(aux[nk[j - 1]]) >> 10) & 15:
                         shr[0] = 1
                 cuda.syncthreads()
                 mixed = shr[0] != 0
