@@ -220,6 +220,20 @@ def find_bin_for(T: int):
 
 
 @cuda.jit(**DEVICE)
+def first_digit(diff, ref_u):
+    """(d0, prefix) for an MSD radix select of int64 keys in 8-bit digits of u = key ^ -2^63: d0, the first digit
+    in which the keys differ (diff: nonzero, a bit set where some keys differ), and prefix, the d0 top digits they
+    all share, read from one key's ref_u."""
+    hi = np.uint32((diff >> 32) & 0xFFFFFFFF)
+    top = 63 - cuda.clz(hi) if hi != 0 else 31 - cuda.clz(np.uint32(diff & 0xFFFFFFFF))   # highest differing bit
+    d0 = (63 - top) // 8
+    prefix = np.int64(0)
+    if d0 > 0:
+        prefix = (ref_u >> (64 - 8 * d0)) & ((np.int64(1) << (8 * d0)) - 1)
+    return d0, prefix
+
+
+@cuda.jit(**DEVICE)
 def last_at_most(arr, lo, hi, v):
     """The last index i in [lo, hi] with arr[i] <= v, arr non-decreasing and arr[lo] <= v (binary search)."""
     while lo < hi:

@@ -46,7 +46,7 @@ import numpy as np
 from numba import cuda
 
 from .tree_beam import PAD_Q, SCALE, q_of
-from .tree_device import DEVICE, SIM, TBUF, WARP, block_scan, find_bin_for, last_at_most, pair_sort
+from .tree_device import DEVICE, SIM, TBUF, WARP, block_scan, find_bin_for, first_digit, last_at_most, pair_sort
 from .tree_list import MAX_DEPTH
 
 CAP_FACTOR = 4                    # the enumeration buffer holds CAP_FACTOR * C nodes (>= 2: a step must move tau)
@@ -186,12 +186,7 @@ def _make_thresh(T, GA, CAPF):
         diff = acc_or ^ acc_and
         if diff == 0:                                # one distinct key
             return acc_or ^ np.int64(NEG), np.int64(kk), cnt
-        hi = np.uint32((diff >> 32) & 0xFFFFFFFF)
-        top = 63 - cuda.clz(hi) if hi != 0 else 31 - cuda.clz(np.uint32(diff & 0xFFFFFFFF))
-        d0 = (63 - top) // 8
-        prefix = np.int64(0)
-        if d0 > 0:
-            prefix = (acc_or >> (64 - 8 * d0)) & ((np.int64(1) << (8 * d0)) - 1)
+        d0, prefix = first_digit(diff, acc_or)
         kk = np.int64(kk)
         for d in range(d0, 8):
             shift = 56 - 8 * d

@@ -36,7 +36,7 @@ import numpy as np
 from numba import cuda
 
 from .tree_device import (DEVICE, EXP_TAB, KERNEL, LP_FLOOR, SIM, TBUF, WARP, ballot, block_scan, exp_le0,
-                          f32_bits, find_bin_for, grid_log_prob, key_value, pair_sort, shfl_idx, shfl_xor,
+                          f32_bits, find_bin_for, first_digit, grid_log_prob, key_value, pair_sort, shfl_idx, shfl_xor,
                           sortable_key)
 
 NB = 4096            # digit-0 histogram bins: the top 12 bits of the 32-bit sortable key
@@ -249,11 +249,7 @@ def radix_select(keys, n, k, row_x, row, ls, whole, bins, tmp, buf, shr):
         cuda.syncthreads()
         acc = shr[0]                                 # nonzero: n >= 2 distinct keys
         cuda.syncthreads()
-        hi = np.uint32((acc >> 32) & 0xFFFFFFFF)
-        top = 63 - cuda.clz(hi) if hi != 0 else 31 - cuda.clz(np.uint32(acc & 0xFFFFFFFF))   # highest differing bit
-        d0 = (63 - top) // 8
-        if d0 > 0:
-            prefix = ((x0 ^ np.int64(NEG)) >> (64 - 8 * d0)) & ((np.int64(1) << (8 * d0)) - 1)
+        d0, prefix = first_digit(acc, x0 ^ np.int64(NEG))
     kk = np.int64(k)
     for d in range(d0, 8):
         shift = 56 - 8 * d
