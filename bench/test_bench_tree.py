@@ -128,7 +128,7 @@ def test_tree_device_path(benchmark, provenance, depth, budget, kind):
                beam_thresh_device_us=None if thresh_beam is None else thresh_beam * 1e6,
                device_thresh_us=None if thresh_device is None else thresh_device * 1e6,
                thresh_same_tree=thresh_same, thresh_rounds=thresh_stats[0], thresh_tuple_thresholds=thresh_stats[1],
-               thresh_nodes=thresh_stats[2], thresh_levels=thresh_stats[3], thresh_preorder=thresh_stats[4],
+               thresh_nodes=thresh_stats[2], thresh_levels=thresh_stats[3], thresh_routes=thresh_stats[4],
                graph_us=None if graph is None else graph * 1e6,
                graph_error=graph_error, reference_us=reference * 1e6, ratio_eager=reference / eager,
                ratio_device=reference / device, ratio_graph=None if graph is None else reference / graph,

@@ -59,8 +59,9 @@ class Config:
 # the engine on the trained pair's real drafts its tree stage is faster at budgets 16 / 32 (0.044 / 0.054 ms
 # against 0.049 / 0.058) and slower at 64 (0.071 against 0.067), hence 32. Budgets up to a warp go through
 # tree_list.auto_for, which runs tree_beam's body instead when the tree is at most 2 deep (tree_run14: 6.4 against
-# 12.2 us on normal rows at budget 16); not yet timed on a GPU (stop 33).
+# 12.2 us on normal rows at budget 16; tree_run15, H100: the default path at budget 16 49.1 -> 40.8 us at L = 7).
 LIST_DEFAULT = 32
+BEAMS = ("tree", "threshold")     # Config.beam's values
 DEFAULT_CONFIG = (Config(16, 8, 16, 16, list_max=LIST_DEFAULT) if SIM
                   else Config(TOPK_T, 2048, 1024, 256, list_max=LIST_DEFAULT))
 
@@ -109,7 +110,6 @@ def _arr(t: torch.Tensor):
 
 
 _streams: dict = {}
-BEAMS = ("tree", "threshold")
 
 
 def _stream(device: torch.device):

@@ -58,7 +58,7 @@ M10 = 0x3FF                       # aux = rank | depth << 10 | (state + 1) << 14
 SCRATCH_ROWS = 5                  # int32 scratch rows: first child, subtree size, size scan, preorder, preorder -> node
 STATS = 5                         # stats: enumerations, tuple thresholds, nodes and levels of the final one, routes
                                   #   (bit 0: ordered by preorder; bit 1: ties at rank B cut by breadth-first index)
-BMAX_THRESH = 64 if SIM else 512  # largest budget: the nodes (4 C of them) live in shared memory (47 KB at 512)
+BMAX_THRESH = 64 if SIM else 512  # largest budget: the nodes (4 C of them) live in shared memory (44 KB at 512)
 # At most 512 threads: the kernel keeps ~130 values live; 1024 threads leave 64 registers a thread (ptxas, sm_90:
 # 288 B of spill stores), 512 leave 128 (12 B). Its levels hold a few nodes a thread either way.
 THREADS_MAX = 512
