@@ -15,10 +15,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "conformance")]
 from optimized import tree_numba as opt  # noqa: E402
-from test_tree_numba import event_median, logits  # noqa: E402
+from test_tree_numba import event_median, logits, same_tree  # noqa: E402
 
 VOCAB = 163_840
-FIELDS = ("tokens", "depths", "parents", "scores")
 
 
 def main(out_path=None):
@@ -39,7 +38,7 @@ def main(out_path=None):
                     while threads <= max(32, 1 << (budget - 1).bit_length()):
                         cfg = dataclasses.replace(opt.DEFAULT_CONFIG, list_max=0, beam=beam, beam_threads=threads)
                         tree = opt.build_tree(x, budget, config=cfg)
-                        same = all(torch.equal(getattr(tree, f), getattr(ref, f)) for f in FIELDS)
+                        same = same_tree(tree, ref)
                         ws = opt._workspace(x.device, depth, VOCAB, k, budget, cfg)
                         us = event_median(lambda: opt._beam_stage(k, budget, ws, cfg, s, *outs), ahead=True) * 1e6
                         rows.append(dict(kind=kind, depth=depth, budget=budget, beam=beam, threads=threads,

@@ -28,7 +28,7 @@ import os
 import pytest
 import torch
 
-from test_tree_numba import device_path, event_median, graph_median, logits, reference_path_time
+from test_tree_numba import device_path, event_median, graph_median, logits, reference_path_time, same_tree
 
 VOCAB = 163_840
 ROWS: list = []
@@ -97,7 +97,7 @@ def test_tree_device_path(benchmark, provenance, depth, budget, kind):
         list_beam = event_median(lambda: opt._beam_stage(k, budget, ws, lcfg, s, *outs), ahead=True)
         list_device = event_median(device_path(opt, x, budget, config=lcfg), ahead=True)
         lt = opt.build_tree(x, budget, config=lcfg)
-        list_same = all(torch.equal(getattr(lt, f), getattr(tree, f)) for f in ("tokens", "depths", "parents", "scores"))
+        list_same = same_tree(lt, tree)
     thresh_beam = thresh_device = thresh_same = None
     thresh_stats = [None] * 5
     if budget <= opt.BMAX_THRESH:                # the threshold beam (its own workspace), and the path with it
@@ -106,8 +106,7 @@ def test_tree_device_path(benchmark, provenance, depth, budget, kind):
         wst = opt._workspace(x.device, depth, VOCAB, k, budget, tcfg)
         thresh_beam = event_median(lambda: opt._beam_stage(k, budget, wst, tcfg, s, *outs), ahead=True)
         thresh_device = event_median(device_path(opt, x, budget, config=tcfg), ahead=True)
-        thresh_same = all(torch.equal(getattr(tt, f), getattr(tree, f))
-                          for f in ("tokens", "depths", "parents", "scores"))
+        thresh_same = same_tree(tt, tree)
         thresh_stats = wst.thresh_stats.tolist()
     graph, graph_error = None, None
     try:
