@@ -841,9 +841,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
 #ifndef MLA_PAIR_NOLOAD
 #define MLA_PAIR_NOLOAD 0        // experiment only (wrong results): K refills skipped, to time the schedule alone
 #endif
-#ifndef MLA_L2_AHEAD
-#define MLA_L2_AHEAD 2           // key pairs prefetched into L2 ahead of the one being computed (0 = none)
-#endif
 #if MLA_TRACE
 __device__ long long mla_trace[2][64][16];   // [warpgroup][pair][event]
 #define TRACE(e) \
@@ -930,21 +927,6 @@ __device__ __forceinline__ void mma_n64_rs(float (&d)[32], const unsigned (&a)[4
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
 }
 #undef WG_D32
-
-// Pair `pair`'s key rows (two 64-key tiles, contiguous in the latent cache) prefetched into L2 by the TMA unit: no
-// smem, no completion to wait for. The smem refills of a pair can only start when the previous pair's MMAs retire
-// (both K buffers serve one pair), so without this each pair waits for its whole 144 KB from HBM after computing
-// the previous one: at T = 1 (HBM-bound) the loads and the tensor work ran one after the other.
-__device__ __forceinline__ void prefetch_pair_l2(const bf16_t* __restrict__ latent, int key_begin, int key_end,
-                                                 int pair) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int k0 = key_begin + (2 * pair + h) * 64, n = min(key_end - k0, 64);
-        if (n > 0)
-            asm volatile("{\n.reg .u64 g;\ncvta.to.global.u64 g, %0;\ncp.async.bulk.prefetch.L2.global [g], %1;\n}\n"
-                         :: "l"(latent + (long long)k0 * MLA_L), "r"(n * MLA_ROW_BYTES) : "memory");
-    }
-}
 
 // S = Q K^T of one 64-key tile (buffer kb): the rope k-steps from registers first, then the 64-channel panel
 // groups in the order given (each waited for on its mbarrier, then made visible to the async proxy)
@@ -1054,8 +1036,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
     const int t0 = min((row0 + r0) / H, T - 1), t1 = min((row0 + r1) / H, T - 1);
 
     if (tid < 6) mbar_init(mbar0 + 8 * tid, 128);
-    if (MLA_L2_AHEAD > 1 && tid == 128)   // pairs 1 .. AHEAD-1 (pair 0 is loaded straight away, AHEAD on in the loop)
-        for (int j = 1; j < MLA_L2_AHEAD; ++j) prefetch_pair_l2(latent, key_begin, key_end, j);
     load_q_rows<panel_off>(sQa0, q_lat, q_pe, BM, row0, M, tid, NTHREADS);
     cp_async_commit();
     __syncthreads();   // mbarriers initialized
@@ -1100,8 +1080,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
         const unsigned par = i & 1, sKa = opaque(sKa0), sQa = opaque(sQa0), sP0a = opaque(sP0a0),
                        sP1a = opaque(sP1a0);
         const bool odd = 2 * i + 1 < n_tiles;   // block-uniform; false only for an odd count's last pair
-        if (MLA_L2_AHEAD > 0 && tid == 128 && i + MLA_L2_AHEAD < n_pairs)
-            prefetch_pair_l2(latent, key_begin, key_end, i + MLA_L2_AHEAD);
         TRACE(0)
 #if MLA_TRACE
         long long* tr = tracing && i < 64 ? mla_trace[wg][i] : nullptr;
