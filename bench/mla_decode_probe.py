@@ -1,0 +1,52 @@
+"""Where decode's (T = 1) time goes, at the plan's split counts: the pair kernel as served against the same kernel
+with its K refills after the first pair skipped (-DMLA_PAIR_NOLOAD=1: wrong results, the schedule and the fixed
+per-block work alone), and against one split per SM-sized chunk count, timed as the bench times (rotated inputs in
+one CUDA graph). If NOLOAD is close to the served time, the loads are not what decode waits for.
+
+python bench/mla_decode_probe.py [OUT.json]      (repository root, an sm_90 GPU)
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "conformance")]
+
+import torch  # noqa: E402
+
+import mla_cases as mc  # noqa: E402
+from optimized import mla_attention as mla  # noqa: E402
+
+PREFIXES = (8192, 32768, 131072)
+
+
+def timed(prefix: int, defines: tuple, num_splits=None) -> tuple[float, int, float]:
+    """(seconds per call, splits, the floor in seconds)"""
+    probe = mc.make_case(1, 64, prefix, kind="chain", seed=prefix)
+    cases = [probe] + [mc.make_case(1, 64, prefix, kind="chain", seed=prefix + i)
+                       for i in range(1, mc.rotation(mc.work(probe)[1]))]
+    calls = [(lambda c=c, m=c.tree_mask: mla.tree_attention(c.q_lat, c.q_pe, c.latent, m, c.scale, defines=defines,
+                                                            num_splits=num_splits)) for c in cases]
+    splits = mla.plan_for(probe.q_lat, probe.q_pe, probe.latent, num_splits=num_splits).splits
+    return mc.time_graph(calls), splits, mc.floor_seconds(*mc.work(probe))
+
+
+def main(out: str | None) -> None:
+    rows = []
+    print(f"{torch.cuda.get_device_name(0)}; T = 1, H = 64; us per call (rotated inputs, one CUDA graph)")
+    for p in PREFIXES:
+        served, sp, floor = timed(p, ())
+        noload = timed(p, ("MLA_PAIR_NOLOAD=1",))[0]
+        one = timed(p, (), num_splits=1)[0]
+        rows.append(dict(prefix=p, splits=sp, served_us=served * 1e6, noload_us=noload * 1e6, one_split_us=one * 1e6,
+                         floor_us=floor * 1e6))
+        print(f"P={p:6d} splits={sp:3d}: served {served * 1e6:6.1f}  no K refills {noload * 1e6:6.1f}  "
+              f"1 split {one * 1e6:7.1f}  floor {floor * 1e6:5.1f}", flush=True)
+    if out:
+        Path(out).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(0), rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else None)
