@@ -24,13 +24,9 @@ PREFIXES = (8192, 32768, 131072)
 
 def timed(prefix: int, defines: tuple, num_splits=None) -> tuple[float, int, float]:
     """(seconds per call, splits, the floor in seconds)"""
-    probe = mc.make_case(1, 64, prefix, kind="chain", seed=prefix)
-    cases = [probe] + [mc.make_case(1, 64, prefix, kind="chain", seed=prefix + i)
-                       for i in range(1, mc.rotation(mc.work(probe)[1]))]
-    calls = [(lambda c=c, m=c.tree_mask: mla.tree_attention(c.q_lat, c.q_pe, c.latent, m, c.scale, defines=defines,
-                                                            num_splits=num_splits)) for c in cases]
+    sec, probe, _ = mc.time_rotated(1, 64, prefix, seed=prefix, defines=defines, num_splits=num_splits)
     splits = mla.plan_for(probe.q_lat, probe.q_pe, probe.latent, num_splits=num_splits).splits
-    return mc.time_graph(calls), splits, mc.floor_seconds(*mc.work(probe))
+    return sec, splits, mc.floor_seconds(*mc.work(probe))
 
 
 def main(out: str | None) -> None:
