@@ -59,6 +59,11 @@ def same_tree(a: ref.Tree, b: ref.Tree) -> bool:
     return all(torch.equal(getattr(a, f), getattr(b, f)) for f in TREE_FIELDS)
 
 
+def cpu_tree(tree: ref.Tree) -> ref.Tree:
+    """The same tree with every field on the host (the reference's compile and follow take host tensors)."""
+    return ref.Tree(*(getattr(tree, f).cpu() for f in TREE_FIELDS))
+
+
 def assert_same_tree(got: ref.Tree, want: ref.Tree, what: str) -> None:
     """Exact equality; the message names the first differing node and field."""
     assert got.n == want.n, f"{what}: {got.n} nodes, reference {want.n}"
@@ -84,7 +89,7 @@ def assert_same_topk(opt, draft: torch.Tensor, budget: int, what: str) -> None:
 
 def check_compile(opt, tree: ref.Tree, root: int, start: int) -> None:
     got = opt.compile_tree(tree, root, start)
-    want = ref.compile_tree(ref.Tree(*(getattr(tree, f).cpu() for f in TREE_FIELDS)), root, start)
+    want = ref.compile_tree(cpu_tree(tree), root, start)
     for field in ("ids", "positions", "parents", "depths", "visibility"):
         a, b = getattr(got, field).cpu(), getattr(want, field)
         assert torch.equal(a, b), f"compile_tree {field} differs at {(a != b).nonzero()[0].tolist()}"
@@ -112,8 +117,7 @@ def check_follow_and_commit(opt, tree: ref.Tree, seed: int) -> None:
     while j > 0:                                   # make the walk reach `leaf` (if the draws allow)
         choices[par[j]] = ids[j]
         j = par[j]
-    want = ref.follow_verified_tree(ref.compile_tree(ref.Tree(*(getattr(tree, f).cpu() for f in TREE_FIELDS)), 5, 3),
-                                    choices)
+    want = ref.follow_verified_tree(ref.compile_tree(cpu_tree(tree), 5, 3), choices)
     got = opt.follow_verified_tree(compiled, choices.to(device))
     assert got.to_host() == want, f"follow: {got.to_host()} != reference {want}"
     assert got.indices.cpu().tolist()[len(want[0]):] == [-1] * (rows - len(want[0]))
