@@ -1,7 +1,7 @@
 """Where decode's (T = 1) time goes, at the plan's split counts: the pair kernel as served against the same kernel
 with its K refills after the first pair skipped (-DMLA_PAIR_NOLOAD=1: wrong results, the schedule and the fixed
-per-block work alone), and against one split per SM-sized chunk count, timed as the bench times (rotated inputs in
-one CUDA graph). If NOLOAD is close to the served time, the loads are not what decode waits for.
+per-block work alone), and against a single split (one block streams every key), timed as the bench times (rotated
+inputs in one CUDA graph). If NOLOAD is close to the served time, the loads are not what decode waits for.
 
 python bench/mla_decode_probe.py [OUT.json]      (repository root, an sm_90 GPU)
 """
