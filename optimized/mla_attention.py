@@ -418,10 +418,7 @@ def tree_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
                 i32(t), i32(h), i32(p), i32(s), i32(w), i32(pl.chunk_keys), scale_log2, dyn)
         if pl.kernel == "mla_wgmma_pair":
             args += (ptr(_merge_sync(dev)) if fused else null,)
-        if fused:   # CuPy's RawKernel fixes the flag at construction: launch its Function cooperatively
-            kernels[pl.kernel].kernel(pl.grid, pl.block, args, shared_mem=pl.smem, enable_cooperative_groups=True)
-        else:
-            kernels[pl.kernel](pl.grid, pl.block, args, shared_mem=pl.smem)
+        kernels[pl.kernel](pl.grid, pl.block, args, shared_mem=pl.smem, enable_cooperative_groups=fused)
         if o_part is not None and not fused:   # many rows: a warp per row; few (decode): a block per row and column slice
             rows = m >= COMBINE_ROWS_MIN_M
             kernels["mla_combine_rows" if rows else "mla_combine"](
