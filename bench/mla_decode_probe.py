@@ -2,7 +2,6 @@
 with its K refills after the first pair skipped (-DMLA_PAIR_NOLOAD=1: wrong results, the schedule and the fixed
 per-block work alone), and against a single split (one block streams every key), timed as the bench times (rotated
 inputs in one CUDA graph). If NOLOAD is close to the served time, the loads are not what decode waits for.
-The served kernel with its merge in-kernel (fused_merge=True, a cooperative launch) beside it.
 Also the split merge alone (mla_combine on fp32 partials of the served split count) and the same launch with zero
 splits (it writes zeros: a graph node's floor), to size what an in-kernel merge could save.
 
@@ -25,10 +24,9 @@ from optimized import mla_attention as mla  # noqa: E402
 PREFIXES = (8192, 32768, 131072)
 
 
-def timed(prefix: int, defines: tuple, num_splits=None, fused_merge=False) -> tuple[float, int, float]:
+def timed(prefix: int, defines: tuple, num_splits=None) -> tuple[float, int, float]:
     """(seconds per call, splits, the floor in seconds)"""
-    sec, probe, _ = mc.time_rotated(1, 64, prefix, seed=prefix, defines=defines, num_splits=num_splits,
-                                    fused_merge=fused_merge)
+    sec, probe, _ = mc.time_rotated(1, 64, prefix, seed=prefix, defines=defines, num_splits=num_splits)
     splits = mla.plan_for(probe.q_lat, probe.q_pe, probe.latent, num_splits=num_splits).splits
     return sec, splits, mc.floor_seconds(*mc.work(probe))
 
@@ -55,12 +53,9 @@ def main(out: str | None) -> None:
         noload = timed(p, ("MLA_PAIR_NOLOAD=1",))[0]
         one = timed(p, (), num_splits=1)[0]
         merge, empty = merge_alone(sp), merge_alone(0)
-        fused = timed(p, (), fused_merge=True)[0]
-        rows.append(dict(prefix=p, splits=sp, served_us=served * 1e6, fused_merge_us=fused * 1e6,
-                         noload_us=noload * 1e6, one_split_us=one * 1e6, merge_us=merge * 1e6,
-                         empty_launch_us=empty * 1e6, floor_us=floor * 1e6))
-        print(f"P={p:6d} splits={sp:3d}: served {served * 1e6:6.1f}  fused merge {fused * 1e6:6.1f}  "
-              f"no K refills {noload * 1e6:6.1f}  "
+        rows.append(dict(prefix=p, splits=sp, served_us=served * 1e6, noload_us=noload * 1e6, one_split_us=one * 1e6,
+                         merge_us=merge * 1e6, empty_launch_us=empty * 1e6, floor_us=floor * 1e6))
+        print(f"P={p:6d} splits={sp:3d}: served {served * 1e6:6.1f}  no K refills {noload * 1e6:6.1f}  "
               f"1 split {one * 1e6:7.1f}  merge alone {merge * 1e6:5.1f}  empty launch {empty * 1e6:4.1f}  "
               f"floor {floor * 1e6:5.1f}", flush=True)
     if out:

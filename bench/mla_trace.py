@@ -52,7 +52,7 @@ def launcher(mod, name, case, splits):
     args = (p(case.q_lat), p(case.q_pe), p(case.latent), p(case.tree_mask), p(out), p(o_part), p(lse), np.int32(t),
             np.int32(h), np.int32(case.latent.shape[0] - t), np.int32(case.latent.shape[0]),
             np.int32(case.tree_mask.shape[1]), np.int32(pl.chunk_keys), np.float32(case.scale * 1.4426950408889634),
-            np.uint64(0)) + ((np.uint64(0),) if name == "mla_wgmma_pair" else ())   # merge_sync: none
+            np.uint64(0))
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
     def run():
         with stream:

@@ -164,7 +164,7 @@ def time_graph(fns, warmup: int = 3, reps: int = 25) -> float:
     return times[len(times) // 2]
 
 
-def time_rotated(t: int, h: int, prefix: int, seed: int, defines: tuple = (), num_splits=None, fused_merge=None):
+def time_rotated(t: int, h: int, prefix: int, seed: int, defines: tuple = (), num_splits=None):
     """tree_attention timed over rotated input sets (`rotation`) in one CUDA graph (`time_graph`), as the bench
     and the speed tests measure it. Returns (seconds per call, the first case, a call on the first case)."""
     from optimized.mla_attention import tree_attention
@@ -172,7 +172,7 @@ def time_rotated(t: int, h: int, prefix: int, seed: int, defines: tuple = (), nu
     cases = [probe] + [make_case(t, h, prefix, seed=seed + i) for i in range(1, rotation(work(probe)[1]))]
     masks = [c.tree_mask for c in cases]                          # packed once, outside the timed graph
     calls = [(lambda c=c, m=m: tree_attention(c.q_lat, c.q_pe, c.latent, m, c.scale, defines=defines,
-                                              num_splits=num_splits, fused_merge=fused_merge))
+                                              num_splits=num_splits))
              for c, m in zip(cases, masks)]
     return time_graph(calls), probe, calls[0]
 

@@ -120,18 +120,6 @@ def test_plan_backends_and_configs():
         assert (pl.chunk_keys, pl.splits) == (192, 3)                                  # 9 tiles: 3+3+3
 
 
-def test_fused_merge_fits():
-    """The in-kernel merge needs the pair kernel, a split, and the whole grid in one wave (a cooperative launch)."""
-    fits = lambda pl: mla.fused_merge_fits(pl, H200["sm_count"])                        # noqa: E731
-    decode = plan(1, 64, 512, 64, 32768 + 1, **H200, cc=90)
-    assert decode.kernel == WGMMA_PAIR and 1 < decode.splits <= 132 and fits(decode)
-    assert not fits(plan(1, 64, 512, 64, 32768 + 1, **H200, cc=90, num_splits=1))          # nothing to merge
-    assert not fits(plan(1, 64, 512, 64, 32768 + 1, **H200, cc=90, config=WGMMA_SERIAL))   # not the pair kernel
-    assert not fits(plan(1, 64, 512, 64, 32768 + 1, **H200, num_splits=4))                 # mma.sync
-    assert not fits(plan(65, 64, 512, 64, 32768 + 65, **H200, cc=90, num_splits=3))        # 65 x 3 > 132 blocks
-    assert fits(plan(2, 64, 512, 64, 32768 + 2, **H200, cc=90, num_splits=66))              # 2 x 66 = 132
-
-
 # ---- CPU: the .cu builds for both target architectures ---------------------------------------------------
 
 def _tensor_core_kernels(arch: str) -> list[str]:
@@ -248,58 +236,6 @@ def test_absorbed_attention_signature():
     vis[3, 10] = False
     with pytest.raises(ValueError, match="every prefix slot visible"):
         mla.absorbed_attention(case.q_lat, case.q_pe, case.latent, vis, case.scale)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t, h, prefix, splits", [(1, 64, 1000, None), (1, 64, 8191, None), (1, 64, 32767, None),
-                                                  (1, 128, 4097, None), (2, 64, 3000, 40), (1, 64, 5000, 2),
-                                                  (1, 64, 20000, 132), (1, 16, 700, 7)])
-def test_fused_merge_equals_merge_kernel(t, h, prefix, splits):
-    """The pair kernel's in-kernel merge sums the same partials in the same order as mla_combine: bit-equal
-    outputs, and within the policy."""
-    if _default_backend() != "wgmma":
-        pytest.skip("the pair kernel exists on compute capability 9.0 only")
-    case = mc.make_case(t, h, prefix, kind="chain", seed=prefix + t)
-    args = (case.q_lat, case.q_pe, case.latent, case.tree_mask, case.scale)
-    pl = mla.plan_for(case.q_lat, case.q_pe, case.latent, num_splits=splits)
-    assert mla.fused_merge_fits(pl, mla.device_info()["sm_count"]), pl
-    out = torch.full_like(case.q_lat, float("nan"))
-    tree_attention(*args, num_splits=splits, fused_merge=True, out=out)
-    want = tree_attention(*args, num_splits=splits, fused_merge=False)
-    assert torch.equal(out, want), f"fused merge differs: {(out.float() - want.float()).abs().max().item()}"
-    mc.check_policy(out, mc.reference_f64(case), mc.reference_bf16(case), f"fused T={t} H={h} P={prefix}")
-
-
-@pytest.mark.gpu
-def test_fused_merge_counters_reset_and_graph():
-    """Consecutive fused calls of different grid sizes (the counters return to zero after each), then the same in
-    one captured graph replayed twice; a plan over more than one wave refuses fused_merge=True."""
-    if _default_backend() != "wgmma":
-        pytest.skip("the pair kernel exists on compute capability 9.0 only")
-    case = mc.make_case(1, 64, 9000, seed=17)
-    args = (case.q_lat, case.q_pe, case.latent, case.tree_mask, case.scale)
-    counts = (2, 65, 7, 132, 3)
-    want = [tree_attention(*args, num_splits=n, fused_merge=False) for n in counts]
-    for _ in range(2):
-        for n, w in zip(counts, want):
-            assert torch.equal(tree_attention(*args, num_splits=n, fused_merge=True), w), n
-    outs = [torch.empty_like(w) for w in want]
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
-        for n, o in zip(counts, outs):
-            tree_attention(*args, num_splits=n, fused_merge=True, out=o)
-    torch.cuda.current_stream().wait_stream(s)
-    for _ in range(2):
-        for o in outs:
-            o.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(o, w) for o, w in zip(outs, want))
-    big = mc.make_case(65, 64, 32768, seed=18)
-    with pytest.raises(ValueError, match="fused_merge=True needs"):
-        tree_attention(big.q_lat, big.q_pe, big.latent, big.tree_mask, big.scale, fused_merge=True)
 
 
 # ---- GPU: serving-engine properties ----------------------------------------------------------------------

@@ -38,7 +38,6 @@ GENERIC_CAPS = (64, 256, 1024)  # mla_generic_c<cap>: the generic kernel built f
 GENERIC_KERNELS = tuple(f"mla_generic_c{cap}" for cap in GENERIC_CAPS)
 GENERIC_WARPS = 8               # its block (GEN_WARPS in the .cu)
 MAX_SPLITS = 256
-FUSED_MERGE = False             # default of tree_attention(fused_merge=None): the pair kernel merges in-kernel
 WGMMA_ARCH = 90                 # sm_90a code (the wgmma kernel) runs on compute capability 9.0 only
 _LOG2E = 1.4426950408889634
 _CU_PATH = Path(__file__).parent / "kernels" / "mla_attention.cu"
@@ -158,12 +157,6 @@ def plan(t: int, h: int, c: int, r: int, s: int, sm_count: int, smem_optin: int,
     splits = -(-key_tiles // tiles_per_split)             # no empty split
     return Plan(cfg.kind, cfg.name, (row_tiles, splits, 1), (cfg.warps * 32, 1, 1), cfg.smem_bytes, splits,
                 tiles_per_split * cfg.bn)
-
-
-def fused_merge_fits(pl: Plan, sm_count: int) -> bool:
-    """Whether the pair kernel can merge its splits in-kernel for this plan: split (there is a merge), and one
-    block per SM for the whole grid, so a cooperative launch holds every block resident at once."""
-    return pl.kernel == "mla_wgmma_pair" and pl.splits > 1 and pl.grid[0] * pl.grid[1] <= sm_count
 
 
 def _choose_splits(row_tiles: int, key_tiles: int, sm_count: int, tile_cost: float = 1.0) -> int:
@@ -329,20 +322,6 @@ def plan_for(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, conf
 
 
 _streams: dict = {}
-_merge_syncs: dict = {}
-
-
-def _merge_sync(dev: torch.device) -> torch.Tensor:
-    """The in-kernel merge's two grid counters for `dev` (zero between calls: the kernel's last block resets them).
-    Allocated and zeroed on the first fused call, which must run outside CUDA-graph capture (a buffer made during
-    capture would be zeroed only when the graph replays)."""
-    buf = _merge_syncs.get(dev.index)
-    if buf is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("tree_attention: the first fused_merge call on a device allocates its grid counters "
-                               "and must run outside CUDA-graph capture; make one eager call (a warm-up) first")
-        buf = _merge_syncs[dev.index] = torch.zeros(2, dtype=torch.int32, device=dev)
-    return buf
 
 
 def _cupy_stream(ptr: int, index: int):
@@ -361,7 +340,7 @@ def _cupy_stream(ptr: int, index: int):
 def tree_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, tree_mask: torch.Tensor,
                    softmax_scale: float, *, out: Optional[torch.Tensor] = None, num_splits: Optional[int] = None,
                    config: Optional[str] = None, defines: tuple = (),
-                   seq_len: Optional[torch.Tensor] = None, fused_merge: Optional[bool] = None) -> torch.Tensor:
+                   seq_len: Optional[torch.Tensor] = None) -> torch.Tensor:
     """o_lat [T, H, C] bf16 = absorbed MLA of q_lat [T,H,C], q_pe [T,H,R] over latent [P+T, C+R] with the whole
     prefix visible and the tree rows masked by tree_mask int32 [T, ceil(T/32)] (pack_visibility).
 
@@ -369,10 +348,7 @@ def tree_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
     rows whose length only sizes the plan (splits), and the kernel reads S when it runs, so one CUDA graph
     serves every prefix up to latent.shape[0]. The caller guarantees T <= S <= latent.shape[0].
     A row that sees no key at all (P = 0 and its own bit clear) gets zeros, where the reference gives NaN.
-    `num_splits` / `config` override the plan, `defines` selects a compiled variant (tests, benches).
-    fused_merge: the pair kernel merges its split-KV partials itself (a cooperative launch; no merge kernel) where
-    `fused_merge_fits`; None takes FUSED_MERGE where it fits, True raises where it does not. Fused calls on one
-    device must not overlap in time (one stream), as they share the grid counters."""
+    `num_splits` / `config` override the plan, `defines` selects a compiled variant (tests, benches)."""
     t, h, c, r, s, w = _validate(q_lat, q_pe, latent, tree_mask, softmax_scale, out)
     if seq_len is not None and (not isinstance(seq_len, torch.Tensor) or seq_len.dtype != torch.int32
                                 or seq_len.numel() != 1 or seq_len.device != q_lat.device):
@@ -408,18 +384,12 @@ def tree_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
             o_part = torch.empty((pl.splits, m, c), dtype=torch.float32, device=dev)   # [splits, M, C]
             lse = torch.empty((pl.splits, m), dtype=torch.float32, device=dev)         # [splits, M] (log2)
         null = np.uint64(0)
-        fits = fused_merge_fits(pl, info["sm_count"])
-        if fused_merge and not fits:
-            raise ValueError(f"tree_attention: fused_merge=True needs the pair kernel split over at most one wave "
-                             f"({info['sm_count']} blocks); this plan is {pl.kernel} with grid {pl.grid}")
-        fused = fits and (FUSED_MERGE if fused_merge is None else fused_merge)
-        args = (ptr(q_lat), ptr(q_pe), ptr(latent), ptr(tree_mask), ptr(out),
-                null if o_part is None else ptr(o_part), null if lse is None else ptr(lse),
-                i32(t), i32(h), i32(p), i32(s), i32(w), i32(pl.chunk_keys), scale_log2, dyn)
-        if pl.kernel == "mla_wgmma_pair":
-            args += (ptr(_merge_sync(dev)) if fused else null,)
-        kernels[pl.kernel](pl.grid, pl.block, args, shared_mem=pl.smem, enable_cooperative_groups=fused)
-        if o_part is not None and not fused:   # many rows: a warp per row; few (decode): a block per row and column slice
+        kernels[pl.kernel](pl.grid, pl.block,
+                           (ptr(q_lat), ptr(q_pe), ptr(latent), ptr(tree_mask), ptr(out),
+                            null if o_part is None else ptr(o_part), null if lse is None else ptr(lse),
+                            i32(t), i32(h), i32(p), i32(s), i32(w), i32(pl.chunk_keys), scale_log2, dyn),
+                           shared_mem=pl.smem)
+        if o_part is not None:   # many rows: a warp per row; few (decode): a block per row and column slice
             rows = m >= COMBINE_ROWS_MIN_M
             kernels["mla_combine_rows" if rows else "mla_combine"](
                 (-(-m // 4) if rows else m, c // 128, 1), (128 if rows else COMBINE_THREADS, 1, 1),

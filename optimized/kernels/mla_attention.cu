@@ -834,96 +834,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
 // smem: Q 72 KB (panel 8 = P1) + 2 K stages 144 KB + P0 8 KB + stats and mbarriers 1.5 KB + 1 KB slack.
 // Measured (H200, bench/results/mla_notes.md run 7): 414-469 TFLOP/s at T >= 33, prefix 8k, 478-502 from 32k;
 //   2.43 us per 64x64 tile per SM at T=257 P=8k, 1.72 without the K refills: the refill latency is what is left.
-// ---- split-KV merge: the sum over splits ----------------------------------------------------------------------------------
-// Row m, columns c..c+3 of the splits s0, s0+step, ...: acc = sum 2^(lse_s - max) O_s, den = sum 2^(lse_s - max),
-// with max over every split of the row (the 32 lanes of the calling warp share m; zeros when no key was seen)
-// COHERENT: the partials were written by this same kernel (the pair kernel's in-kernel merge), so they are read
-// through L2 (ld.global.cg), never the read-only path that __ldg takes.
-template <bool COHERENT>
-__device__ __forceinline__ float ld_part(const float* p) { return COHERENT ? __ldcg(p) : __ldg(p); }
-template <bool COHERENT>
-__device__ __forceinline__ float4 ld_part4(const float* p) {
-    return COHERENT ? __ldcg(reinterpret_cast<const float4*>(p)) : __ldg(reinterpret_cast<const float4*>(p));
-}
-template <bool COHERENT = false>
-__device__ __forceinline__ void merge_splits(const float* __restrict__ o_part, const float* __restrict__ lse_part,
-                                             int M, int C, int m, int c, int lane, int s0, int step, int splits,
-                                             float4& acc, float& den) {
-    float mx = neg_inf();
-    for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, ld_part<COHERENT>(lse_part + (long long)s * M + m));
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    den = 0.f;
-    if (mx == neg_inf()) return;
-#pragma unroll 4
-    for (int s = s0; s < splits; s += step) {
-        const float wt = exp2f(ld_part<COHERENT>(lse_part + (long long)s * M + m) - mx);
-        const float4 v = ld_part4<COHERENT>(o_part + ((long long)s * M + m) * C + c);
-        acc.x += wt * v.x;
-        acc.y += wt * v.y;
-        acc.z += wt * v.z;
-        acc.w += wt * v.w;
-        den += wt;
-    }
-}
-
-
-// The pair kernel's in-kernel merge (decode: one wave of blocks). Launched cooperatively, so every block of the
-// grid is resident at once (the launch fails rather than queue blocks): after writing its partial, each block
-// waits at a grid-wide counter, then merges output units (row m, 128-column slice) b, b + G, ... with its 8 warps
-// as mla_combine does, reading the partials through L2. sync[0] counts arrivals, sync[1] the blocks past the
-// wait; the last of those zeroes both for the next call (stream order keeps calls apart: calls on one device must
-// not overlap). Saves the merge launch and lets the merge start while the last blocks' partials are still in L2.
-__device__ __forceinline__ void fused_merge(const float* o_part, const float* lse_part, bf16_t* __restrict__ out,
-                                            int M, unsigned* sync, unsigned char* smem) {
-    const unsigned blocks = gridDim.x * gridDim.y;
-    __syncthreads();   // every partial of this block stored
-    if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(sync, 1u);
-        while (*reinterpret_cast<volatile unsigned*>(sync) < blocks) __nanosleep(32);
-        __threadfence();
-        if (atomicAdd(sync + 1, 1u) == blocks - 1) {   // every block is past the wait
-            sync[0] = 0u;
-            sync[1] = 0u;
-        }
-    }
-    __syncthreads();
-    float4* s_acc = reinterpret_cast<float4*>(smem);            // [8 warps][32 lanes]
-    float* s_den = reinterpret_cast<float*>(smem + 8 * 32 * 16); // [8]
-    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, splits = gridDim.y;
-    const int units = M * (MLA_C / 128);
-    for (int u = blockIdx.y * gridDim.x + blockIdx.x; u < units; u += blocks) {
-        const int m = u >> 2, c = (u & 3) * 128 + lane * 4;
-        float4 acc;
-        float den;
-        merge_splits<true>(o_part, lse_part, M, MLA_C, m, c, lane, w, 8, splits, acc, den);
-        s_acc[w * 32 + lane] = acc;
-        if (lane == 0) s_den[w] = den;
-        __syncthreads();
-        if (w == 0) {
-            float4 t = s_acc[lane];
-            float d = s_den[0];
-#pragma unroll
-            for (int k = 1; k < 8; ++k) {
-                const float4 v = s_acc[k * 32 + lane];
-                t.x += v.x;
-                t.y += v.y;
-                t.z += v.z;
-                t.w += v.w;
-                d += s_den[k];
-            }
-            const float inv = d > 0.f ? 1.f / d : 0.f;
-            uint2 packed;
-            packed.x = pack_bf16x2(t.x * inv, t.y * inv);
-            packed.y = pack_bf16x2(t.z * inv, t.w * inv);
-            *reinterpret_cast<uint2*>(out + (long long)m * MLA_C + c) = packed;
-        }
-        __syncthreads();
-    }
-}
-
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #ifndef MLA_TRACE
 #define MLA_TRACE 0              // clock64 stamps of one block's schedule (bench/mla_trace.py), never in serving builds
@@ -1098,7 +1008,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
     const bf16_t* __restrict__ q_lat, const bf16_t* __restrict__ q_pe, const bf16_t* __restrict__ latent,
     const unsigned* __restrict__ tree_mask, bf16_t* __restrict__ out, float* __restrict__ o_part,
     float* __restrict__ lse_part, int T, int H, int P, int S, int words, int chunk_keys, float scale_log2,
-    const int* __restrict__ seq_len, unsigned* __restrict__ merge_sync) {
+    const int* __restrict__ seq_len) {
     using namespace wgm;
     using namespace wgp;
     if (seq_len != nullptr) {   // graph mode as graph_shape
@@ -1301,11 +1211,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
     __syncthreads();
     store_o(o, sL[r0] + sL[BM + r0], sL[r1] + sL[BM + r1], sM[r0], sM[r1], out, o_part, lse_part, M, row0, r0, r1,
             wg, q4, split);
-    if (merge_sync != nullptr) fused_merge(o_part, lse_part, out, M, merge_sync, smem);   // cooperative launches only
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
-// ---- split-KV merge (merge_splits is above the pair kernel, which merges in-kernel too) -----------------
+// ---- split-KV merge ----------------------------------------------------------------------------------
+// Row m, columns c..c+3 of the splits s0, s0+step, ...: acc = sum 2^(lse_s - max) O_s, den = sum 2^(lse_s - max),
+// with max over every split of the row (the 32 lanes of the calling warp share m; zeros when no key was seen)
+__device__ __forceinline__ void merge_splits(const float* __restrict__ o_part, const float* __restrict__ lse_part,
+                                             int M, int C, int m, int c, int lane, int s0, int step, int splits,
+                                             float4& acc, float& den) {
+    float mx = neg_inf();
+    for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, __ldg(lse_part + (long long)s * M + m));
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    den = 0.f;
+    if (mx == neg_inf()) return;
+#pragma unroll 4
+    for (int s = s0; s < splits; s += step) {
+        const float wt = exp2f(__ldg(lse_part + (long long)s * M + m) - mx);
+        const float4 v = __ldg(reinterpret_cast<const float4*>(o_part + ((long long)s * M + m) * C + c));
+        acc.x += wt * v.x;
+        acc.y += wt * v.y;
+        acc.z += wt * v.z;
+        acc.w += wt * v.w;
+        den += wt;
+    }
+}
+
 // grid (M, C/128), block 256: out[m, c..c+3] = sum_s 2^(lse_s - max) O_s[m, c..c+3] / sum_s 2^(lse_s - max),
 // c = blockIdx.y*128 + 4*lane; warp w sums the splits w, w+8, ... and the eight warps meet in smem. A decode step
 // (M = 64, 65-129 splits) spreads over 256 blocks with 8 warps of loads in flight per row and column slice.
