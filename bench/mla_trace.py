@@ -46,7 +46,7 @@ def launcher(mod, name, case, splits):
     fn.max_dynamic_shared_size_bytes = pl.smem
     m = t * h
     out = torch.empty((t, h, c), dtype=torch.bfloat16, device="cuda")
-    o_part = torch.empty((pl.splits, m, c), dtype=mla._part_dtype(()), device="cuda") if pl.splits > 1 else None
+    o_part = torch.empty((pl.splits, m, c), dtype=torch.float32, device="cuda") if pl.splits > 1 else None
     lse = torch.empty((pl.splits, m), dtype=torch.float32, device="cuda") if pl.splits > 1 else None
     p = lambda x: np.uint64(0 if x is None else x.data_ptr())  # noqa: E731
     args = (p(case.q_lat), p(case.q_pe), p(case.latent), p(case.tree_mask), p(out), p(o_part), p(lse), np.int32(t),

@@ -164,8 +164,7 @@ def _choose_splits(row_tiles: int, key_tiles: int, sm_count: int, tile_cost: flo
     of one 64x64 tile per SM for the mma kernel (~4 us on an H200; `tile_cost` scales it for faster kernels):
     waves x (tiles per block x tile_cost + 2 for the Q load and the partial write), plus, when split, the
     merge: one launch, and 4 KB of fp32 partials written and read per (row, split), which at ~3 TB/s is one
-    unit per ~45 row tiles x splits. (Fitted and swept with fp32 partials, mla_notes.md run 6; the partials are bf16
-    now, 2 KB, and the constant is kept until a sweep says otherwise.)"""
+    unit per ~45 row tiles x splits."""
     best, best_cost = 1, None
     for req in range(1, min(key_tiles, MAX_SPLITS) + 1):
         tps = -(-key_tiles // req)
@@ -325,11 +324,6 @@ def plan_for(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, conf
 _streams: dict = {}
 
 
-def _part_dtype(defines: tuple) -> torch.dtype:
-    """The split-KV partials' dtype: bf16 unless the module was built with MLA_PART_BF16=0 (fp32, for A/B)."""
-    return torch.float32 if "MLA_PART_BF16=0" in defines else torch.bfloat16
-
-
 def _cupy_stream(ptr: int, index: int):
     """CuPy's view of a torch stream, cached. ExternalStream is deprecated in CuPy 14 for Stream.from_external
     (the __cuda_stream__ protocol); it still works and needs nothing from the torch side."""
@@ -387,7 +381,7 @@ def tree_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
         if pl.splits == 1:
             o_part = lse = None
         else:
-            o_part = torch.empty((pl.splits, m, c), dtype=_part_dtype(defines), device=dev)   # [splits, M, C]
+            o_part = torch.empty((pl.splits, m, c), dtype=torch.float32, device=dev)   # [splits, M, C]
             lse = torch.empty((pl.splits, m), dtype=torch.float32, device=dev)         # [splits, M] (log2)
         null = np.uint64(0)
         kernels[pl.kernel](pl.grid, pl.block,

@@ -28,7 +28,7 @@
 //     P (bf16) -> smem; alpha (rescale) -> smem
 //     O += P V     warp w: all BM rows x output columns w*CW..+CW (V = first 512 channels of the K tile,
 //                  ldmatrix.trans), accumulators in registers (BM*512/NW/32 = 128 fp32 per thread)
-//   splits == 1: out = O / l in bf16.  splits > 1: O/l (bf16; fp32 with MLA_PART_BF16=0) and lse = m + log2 l per split -> mla_combine.
+//   splits == 1: out = O / l in bf16.  splits > 1: fp32 O/l and lse = m + log2 l per split -> mla_combine.
 //
 // Napkin math (K2.6: H=64, C=512, R=64; per visible (query row, key) pair: 2*576 + 2*512 = 2176 flop):
 //   bytes = S*1152 (latent, read once) + T*H*(576+512)*2 (q, out) + T*W*4 (mask)
@@ -113,35 +113,6 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     unsigned r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));   // a -> upper half, b -> lower
     return r;
-}
-
-// Split-KV partials O/l: bf16 by default (half the bytes of the partial write and of the merge's read; at decode
-// the fp32 partials were ~0.36x the latent bytes at 32k, as many as the keys at 8k). MLA_PART_BF16=0: fp32 (A/B).
-#ifndef MLA_PART_BF16
-#define MLA_PART_BF16 1
-#endif
-#if MLA_PART_BF16
-typedef bf16_t part_t;
-#else
-typedef float part_t;
-#endif
-
-__device__ __forceinline__ void store_part2(part_t* dst, float a, float b) {   // dst[0] = a, dst[1] = b
-#if MLA_PART_BF16
-    *reinterpret_cast<unsigned*>(dst) = pack_bf16x2(a, b);
-#else
-    *reinterpret_cast<float2*>(dst) = make_float2(a, b);
-#endif
-}
-
-__device__ __forceinline__ float4 load_part4(const part_t* p) {   // p[0..3] as floats
-#if MLA_PART_BF16
-    const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
-    return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
-                       __uint_as_float(u.y & 0xffff0000u));
-#else
-    return __ldg(reinterpret_cast<const float4*>(p));
-#endif
 }
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
@@ -273,7 +244,7 @@ __device__ __forceinline__ unsigned p_off(int r, int c) {
 template <int NW, int BM, int BN, int STAGES>
 __device__ __forceinline__ void mla_mma_body(
     const bf16_t* __restrict__ q_lat, const bf16_t* __restrict__ q_pe, const bf16_t* __restrict__ latent,
-    const unsigned* __restrict__ tree_mask, bf16_t* __restrict__ out, part_t* __restrict__ o_part,
+    const unsigned* __restrict__ tree_mask, bf16_t* __restrict__ out, float* __restrict__ o_part,
     float* __restrict__ lse_part, int T, int H, int P, int S, int words, int chunk_keys, float scale_log2,
     const int* __restrict__ seq_len) {
     typedef MmaCfg<NW, BM, BN, STAGES> Cfg;
@@ -513,10 +484,11 @@ __device__ __forceinline__ void mla_mma_body(
                         *reinterpret_cast<unsigned*>(dst + n * 8) =
                             pack_bf16x2(acc[mt][n][2 * h] * inv, acc[mt][n][2 * h + 1] * inv);
                 } else {
-                    part_t* dst = o_part + ((long long)split * M + m) * MLA_C + warp * CW + 2 * q4;
+                    float* dst = o_part + ((long long)split * M + m) * MLA_C + warp * CW + 2 * q4;
 #pragma unroll
                     for (int n = 0; n < NT; ++n)
-                        store_part2(dst + n * 8, acc[mt][n][2 * h] * inv, acc[mt][n][2 * h + 1] * inv);
+                        *reinterpret_cast<float2*>(dst + n * 8) =
+                            make_float2(acc[mt][n][2 * h] * inv, acc[mt][n][2 * h + 1] * inv);
                     if (warp == 0 && q4 == 0)
                         lse_part[(long long)split * M + m] = l > 0.f ? sM[r] + __log2f(l) : neg_inf();
                 }
@@ -529,7 +501,7 @@ __device__ __forceinline__ void mla_mma_body(
     extern "C" __global__ void __launch_bounds__(NW * 32, 1)                                                \
         NAME(const bf16_t* __restrict__ q_lat, const bf16_t* __restrict__ q_pe,                             \
              const bf16_t* __restrict__ latent, const unsigned* __restrict__ tree_mask,                     \
-             bf16_t* __restrict__ out, part_t* __restrict__ o_part, float* __restrict__ lse_part, int T,     \
+             bf16_t* __restrict__ out, float* __restrict__ o_part, float* __restrict__ lse_part, int T,     \
              int H, int P, int S, int words, int chunk_keys, float scale_log2, const int* seq_len) {        \
         mla_mma_body<NW, BM, BN, STAGES>(q_lat, q_pe, latent, tree_mask, out, o_part, lse_part, T, H, P, S,  \
                                          words, chunk_keys, scale_log2, seq_len);                           \
@@ -664,9 +636,9 @@ __device__ __forceinline__ void mask_rowmax(float (&s)[32], float scale_log2, co
 }
 
 // Epilogue: O_w / l of the thread's rows r0, r1 (row sums l0, l1, maxima mx0, mx1; output columns
-// w*256 + 8n + 2 q4, +1): bf16 to out, or with splits the partials (part_t) to o_part and lse = m + log2 l to lse_part
+// w*256 + 8n + 2 q4, +1): bf16 to out, or with splits fp32 partials to o_part and lse = m + log2 l to lse_part
 __device__ __forceinline__ void store_o(const float (&o)[128], float l0, float l1, float mx0, float mx1,
-                                        bf16_t* __restrict__ out, part_t* __restrict__ o_part,
+                                        bf16_t* __restrict__ out, float* __restrict__ o_part,
                                         float* __restrict__ lse_part, int M, int row0, int r0, int r1, int wg,
                                         int q4, int split) {
 #pragma unroll
@@ -682,9 +654,11 @@ __device__ __forceinline__ void store_o(const float (&o)[128], float l0, float l
                 *reinterpret_cast<unsigned*>(dst + n * 8) =
                     pack_bf16x2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
         } else {
-            part_t* dst = o_part + ((long long)split * M + m) * MLA_C + wg * 256 + 2 * q4;
+            float* dst = o_part + ((long long)split * M + m) * MLA_C + wg * 256 + 2 * q4;
 #pragma unroll
-            for (int n = 0; n < 32; ++n) store_part2(dst + n * 8, o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
+            for (int n = 0; n < 32; ++n)
+                *reinterpret_cast<float2*>(dst + n * 8) =
+                    make_float2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
             if (wg == 0 && q4 == 0)
                 lse_part[(long long)split * M + m] = l > 0.f ? (h ? mx1 : mx0) + __log2f(l) : neg_inf();
         }
@@ -707,7 +681,7 @@ __device__ __forceinline__ void rescale(float (&o)[128], float alpha0, float alp
 
 extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
     const bf16_t* __restrict__ q_lat, const bf16_t* __restrict__ q_pe, const bf16_t* __restrict__ latent,
-    const unsigned* __restrict__ tree_mask, bf16_t* __restrict__ out, part_t* __restrict__ o_part,
+    const unsigned* __restrict__ tree_mask, bf16_t* __restrict__ out, float* __restrict__ o_part,
     float* __restrict__ lse_part, int T, int H, int P, int S, int words, int chunk_keys, float scale_log2,
     const int* __restrict__ seq_len) {
     using namespace wgm;
@@ -1032,7 +1006,7 @@ __device__ __forceinline__ void pv_ss(float (&o)[128], unsigned sp, unsigned vb)
 
 extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
     const bf16_t* __restrict__ q_lat, const bf16_t* __restrict__ q_pe, const bf16_t* __restrict__ latent,
-    const unsigned* __restrict__ tree_mask, bf16_t* __restrict__ out, part_t* __restrict__ o_part,
+    const unsigned* __restrict__ tree_mask, bf16_t* __restrict__ out, float* __restrict__ o_part,
     float* __restrict__ lse_part, int T, int H, int P, int S, int words, int chunk_keys, float scale_log2,
     const int* __restrict__ seq_len) {
     using namespace wgm;
@@ -1243,7 +1217,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
 // ---- split-KV merge ----------------------------------------------------------------------------------
 // Row m, columns c..c+3 of the splits s0, s0+step, ...: acc = sum 2^(lse_s - max) O_s, den = sum 2^(lse_s - max),
 // with max over every split of the row (the 32 lanes of the calling warp share m; zeros when no key was seen)
-__device__ __forceinline__ void merge_splits(const part_t* __restrict__ o_part, const float* __restrict__ lse_part,
+__device__ __forceinline__ void merge_splits(const float* __restrict__ o_part, const float* __restrict__ lse_part,
                                              int M, int C, int m, int c, int lane, int s0, int step, int splits,
                                              float4& acc, float& den) {
     float mx = neg_inf();
@@ -1256,7 +1230,7 @@ __device__ __forceinline__ void merge_splits(const part_t* __restrict__ o_part, 
 #pragma unroll 4
     for (int s = s0; s < splits; s += step) {
         const float wt = exp2f(__ldg(lse_part + (long long)s * M + m) - mx);
-        const float4 v = load_part4(o_part + ((long long)s * M + m) * C + c);
+        const float4 v = __ldg(reinterpret_cast<const float4*>(o_part + ((long long)s * M + m) * C + c));
         acc.x += wt * v.x;
         acc.y += wt * v.y;
         acc.z += wt * v.z;
@@ -1269,7 +1243,7 @@ __device__ __forceinline__ void merge_splits(const part_t* __restrict__ o_part, 
 // c = blockIdx.y*128 + 4*lane; warp w sums the splits w, w+8, ... and the eight warps meet in smem. A decode step
 // (M = 64, 65-129 splits) spreads over 256 blocks with 8 warps of loads in flight per row and column slice.
 #define MLA_COMBINE_WARPS 8   // mirrored by COMBINE_THREADS in optimized/mla_attention.py
-extern "C" __global__ void __launch_bounds__(MLA_COMBINE_WARPS * 32) mla_combine(const part_t* __restrict__ o_part,
+extern "C" __global__ void __launch_bounds__(MLA_COMBINE_WARPS * 32) mla_combine(const float* __restrict__ o_part,
                                                                                  const float* __restrict__ lse_part,
                                                                                  bf16_t* __restrict__ out, int M,
                                                                                  int C, int splits) {
@@ -1306,7 +1280,7 @@ extern "C" __global__ void __launch_bounds__(MLA_COMBINE_WARPS * 32) mla_combine
 // 4*blockIdx.x + w) and each lane summing every split of its 4 columns, 4 loads in flight; no smem, no barrier.
 // For many rows (M >= 256, COMBINE_ROWS_MIN_M): there mla_combine's block per row and slice holds at most one
 // 16-B load a thread at few splits, and the merge was mostly block launches (T=33 P=8k: 8 us, mla_notes.md run 7).
-extern "C" __global__ void __launch_bounds__(128) mla_combine_rows(const part_t* __restrict__ o_part,
+extern "C" __global__ void __launch_bounds__(128) mla_combine_rows(const float* __restrict__ o_part,
                                                                    const float* __restrict__ lse_part,
                                                                    bf16_t* __restrict__ out, int M, int C,
                                                                    int splits) {
