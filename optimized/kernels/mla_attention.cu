@@ -845,8 +845,22 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
 __device__ long long mla_trace[2][64][16];   // [warpgroup][pair][event]
 #define TRACE(e) \
     if (tracing && i < 64) mla_trace[wg][i][e] = clock64();
+// every block's edges (row tile 0, splits < 256): [0..3] %globaltimer ns, [4..7] clock64 at kernel entry, Q landed,
+// the pair loop done, the output or partial stored (thread 0)
+__device__ unsigned long long mla_edges[256][8];
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    return t;
+}
+#define EDGE(k)                                                                \
+    if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y < 256) {             \
+        mla_edges[blockIdx.y][k] = global_ns();                                \
+        mla_edges[blockIdx.y][4 + k] = clock64();                              \
+    }
 #else
 #define TRACE(e)
+#define EDGE(k)
 #endif
 namespace wgp {
 using wgm::PANEL;
@@ -1027,6 +1041,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
     float* sScale1 = sScale0 + BM;                                  // [64]
     float* sL = sScale1 + BM;                                       // [2][64] row sums per warpgroup
 
+    EDGE(0)
     const int tid = threadIdx.x, wg = tid >> 7, wq = (tid >> 5) & 3, lane = tid & 31, lt = tid & 127;
     const int g = lane >> 2, q4 = lane & 3;
     const int r0 = wq * 16 + g, r1 = r0 + 8;
@@ -1062,6 +1077,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
     cp_async_wait_all();   // the Q group (the K loads are not in a group: their mbarriers track them)
     fence_async_smem();
     __syncthreads();       // Q landed for everyone
+    EDGE(1)
     unsigned rq[4][4];     // Q's rope panel: the A fragments of k-steps 32..35
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) ldsm_x4(rq[kk], sQa0 + panel_off(wq * 16 + (lane & 15), 64 + 2 * kk + (lane >> 4)));
@@ -1201,6 +1217,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
     }
     wait<0>();
     pin(o);
+    EDGE(2)
 
     l0 = quad_sum(l0);
     l1 = quad_sum(l1);
@@ -1211,6 +1228,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
     __syncthreads();
     store_o(o, sL[r0] + sL[BM + r0], sL[r1] + sL[BM + r1], sM[r0], sM[r1], out, o_part, lse_part, M, row0, r0, r1,
             wg, q4, split);
+    EDGE(3)
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
@@ -1242,6 +1260,15 @@ __device__ __forceinline__ void merge_splits(const float* __restrict__ o_part, c
 // grid (M, C/128), block 256: out[m, c..c+3] = sum_s 2^(lse_s - max) O_s[m, c..c+3] / sum_s 2^(lse_s - max),
 // c = blockIdx.y*128 + 4*lane; warp w sums the splits w, w+8, ... and the eight warps meet in smem. A decode step
 // (M = 64, 65-129 splits) spreads over 256 blocks with 8 warps of loads in flight per row and column slice.
+#if MLA_TRACE && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// %globaltimer at entry and exit of mla_combine's blocks (blockIdx.x * 4 + blockIdx.y < 256: decode's merge)
+__device__ unsigned long long mla_merge_edges[256][2];
+#define MERGE_EDGE(k)                                                                                  \
+    if (threadIdx.x == 0 && blockIdx.x * gridDim.y + blockIdx.y < 256)                                 \
+        mla_merge_edges[blockIdx.x * gridDim.y + blockIdx.y][k] = global_ns();
+#else
+#define MERGE_EDGE(k)
+#endif
 #define MLA_COMBINE_WARPS 8   // mirrored by COMBINE_THREADS in optimized/mla_attention.py
 extern "C" __global__ void __launch_bounds__(MLA_COMBINE_WARPS * 32) mla_combine(const float* __restrict__ o_part,
                                                                                  const float* __restrict__ lse_part,
@@ -1250,6 +1277,7 @@ extern "C" __global__ void __launch_bounds__(MLA_COMBINE_WARPS * 32) mla_combine
     __shared__ float4 s_acc[MLA_COMBINE_WARPS][32];
     __shared__ float s_den[MLA_COMBINE_WARPS];
     const int m = blockIdx.x, lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    MERGE_EDGE(0)
     const int c = blockIdx.y * 128 + lane * 4;
     float4 acc;
     float den;
@@ -1274,6 +1302,7 @@ extern "C" __global__ void __launch_bounds__(MLA_COMBINE_WARPS * 32) mla_combine
     packed.x = pack_bf16x2(t.x * inv, t.y * inv);
     packed.y = pack_bf16x2(t.z * inv, t.w * inv);
     *reinterpret_cast<uint2*>(out + (long long)m * C + c) = packed;
+    MERGE_EDGE(1)
 }
 
 // mla_combine_rows: the same merge with one warp per row (grid (ceil(M/4), C/128), block 128: warp w takes row
