@@ -1,10 +1,9 @@
-"""Where decode's (T = 1) time goes, at the plan's split counts, timed as the bench times (rotated inputs in one
-CUDA graph): the pair kernel as served; the same with its split partials stored straight from the MMA fragments
-(-DMLA_SPLIT_STAGE=0, as served before run 9) instead of staged in smem and bulk-copied; the same with its K refills
-after the first pair skipped (-DMLA_PAIR_NOLOAD=1: wrong results, the schedule and the fixed per-block work alone;
-close to served means the loads are not what decode waits for); the split merge alone (mla_combine on fp32
-partials of the served split count); and that launch with zero splits (it writes zeros: a graph node's floor).
-bench/mla_decode_timeline.py splits the served call into per-block phases.
+"""Where decode's (T = 1) time goes, at the plan's split counts: the pair kernel as served against the same kernel
+with its K refills after the first pair skipped (-DMLA_PAIR_NOLOAD=1: wrong results, the schedule and the fixed
+per-block work alone), and against a single split (one block streams every key), timed as the bench times (rotated
+inputs in one CUDA graph). If NOLOAD is close to the served time, the loads are not what decode waits for.
+Also the split merge alone (mla_combine on fp32 partials of the served split count) and the same launch with zero
+splits (it writes zeros: a graph node's floor), to size what an in-kernel merge could save.
 
 python bench/mla_decode_probe.py [OUT.json]      (repository root, an sm_90 GPU)
 """
@@ -52,13 +51,12 @@ def main(out: str | None) -> None:
     for p in PREFIXES:
         served, sp, floor = timed(p, ())
         noload = timed(p, ("MLA_PAIR_NOLOAD=1",))[0]
-        frag = timed(p, ("MLA_SPLIT_STAGE=0",))[0]
+        one = timed(p, (), num_splits=1)[0]
         merge, empty = merge_alone(sp), merge_alone(0)
-        rows.append(dict(prefix=p, splits=sp, served_us=served * 1e6, fragment_stores_us=frag * 1e6,
-                         noload_us=noload * 1e6, merge_us=merge * 1e6, empty_launch_us=empty * 1e6,
-                         floor_us=floor * 1e6))
-        print(f"P={p:6d} splits={sp:3d}: served {served * 1e6:6.1f}  fragment stores {frag * 1e6:6.1f}  "
-              f"no K refills {noload * 1e6:6.1f}  merge alone {merge * 1e6:5.1f}  empty launch {empty * 1e6:4.1f}  "
+        rows.append(dict(prefix=p, splits=sp, served_us=served * 1e6, noload_us=noload * 1e6, one_split_us=one * 1e6,
+                         merge_us=merge * 1e6, empty_launch_us=empty * 1e6, floor_us=floor * 1e6))
+        print(f"P={p:6d} splits={sp:3d}: served {served * 1e6:6.1f}  no K refills {noload * 1e6:6.1f}  "
+              f"1 split {one * 1e6:7.1f}  merge alone {merge * 1e6:5.1f}  empty launch {empty * 1e6:4.1f}  "
               f"floor {floor * 1e6:5.1f}", flush=True)
     if out:
         Path(out).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(0), rows=rows), indent=1))

@@ -838,9 +838,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_m64_n64(
 #ifndef MLA_TRACE
 #define MLA_TRACE 0              // clock64 stamps of one block's schedule (bench/mla_trace.py), never in serving builds
 #endif
-#ifndef MLA_SPLIT_STAGE
-#define MLA_SPLIT_STAGE 1        // split partials staged in smem and bulk-copied per row (0: fragment stores, for A/B)
-#endif
 #ifndef MLA_PAIR_NOLOAD
 #define MLA_PAIR_NOLOAD 0        // experiment only (wrong results): K refills skipped, to time the schedule alone
 #endif
@@ -865,39 +862,6 @@ __device__ __forceinline__ unsigned long long global_ns() {
 #define TRACE(e)
 #define EDGE(k)
 #endif
-// The pair kernel's split epilogue: O/l staged in smem, rows padded to STAGE_ROW bytes (2080: the fragment stores
-// of a warp, 8 rows x 32 B, fall into distinct bank groups but for a 2-way wrap, the least for 256 B), then one 2 KB
-// bulk copy (TMA, cp.async.bulk, no tensor map) per row to o_part. The fragment-layout global stores it replaces
-// touch 8 rows per warp instruction and took ~3 us a block at decode (H100, mla_notes.md run 9).
-constexpr int STAGE_ROW = MLA_C * 4 + 32;
-__device__ __forceinline__ void bulk_store_row(float* gdst, unsigned ssrc) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
-                 "cp.async.bulk.commit_group;\n"
-                 "cp.async.bulk.wait_group 0;\n" ::"l"(gdst), "r"(ssrc), "n"(MLA_C * 4) : "memory");
-}
-__device__ __forceinline__ void store_part_bulk(const float (&o)[128], float l0, float l1, float mx0, float mx1,
-                                                unsigned char* stage, unsigned stage_addr, float* __restrict__ o_part,
-                                                float* __restrict__ lse_part, int M, int row0, int r0, int r1, int wg,
-                                                int q4, int split) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = h ? r1 : r0, m = row0 + r;
-        const float l = h ? l1 : l0;
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        float* dst = reinterpret_cast<float*>(stage + r * STAGE_ROW) + wg * 256 + 2 * q4;
-#pragma unroll
-        for (int n = 0; n < 32; ++n)
-            *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[4 * n + 2 * h] * inv, o[4 * n + 2 * h + 1] * inv);
-        if (wg == 0 && q4 == 0 && m < M)
-            lse_part[(long long)split * M + m] = l > 0.f ? (h ? mx1 : mx0) + __log2f(l) : neg_inf();
-    }
-    wgm::fence_async_smem();   // the generic-proxy smem writes, before the async proxy reads them
-    __syncthreads();
-    const int r = threadIdx.x;
-    if (r < 64 && row0 + r < M)
-        bulk_store_row(o_part + ((long long)split * M + row0 + r) * MLA_C, stage_addr + r * STAGE_ROW);
-}
-
 namespace wgp {
 using wgm::PANEL;
 using wgm::TILE;
@@ -905,7 +869,6 @@ constexpr int OFF_K = TILE, OFF_P1 = 8 * PANEL, OFF_P0 = 3 * TILE, OFF_STATS = 3
 constexpr int OFF_MBAR = OFF_STATS + 5 * 64 * 4;
 constexpr int SMEM = OFF_STATS + 1536 + 1024;   // mirrored by KernelConfig.smem_bytes
 static_assert(SMEM <= 232448, "must fit the 227 KB opt-in of H100/H200");
-static_assert(64 * STAGE_ROW <= OFF_STATS, "the split epilogue's staging must not reach the row statistics");
 enum { G_L = 0, G_R = 1, G_ROPE = 2 };
 enum { BAR_SCALE0 = 1, BAR_P1 = 2, BAR_P0 = 3 };
 
@@ -1263,12 +1226,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_wgmma_pair(
         sL[wg * BM + r1] = l1;
     }
     __syncthreads();
-    if (o_part == nullptr || !MLA_SPLIT_STAGE)
-        store_o(o, sL[r0] + sL[BM + r0], sL[r1] + sL[BM + r1], sM[r0], sM[r1], out, o_part, lse_part, M, row0, r0,
-                r1, wg, q4, split);
-    else   // Q and K tiles are dead: every warp is past the barrier above, every load and MMA retired
-        store_part_bulk(o, sL[r0] + sL[BM + r0], sL[r1] + sL[BM + r1], sM[r0], sM[r1], smem, sQa0, o_part, lse_part,
-                        M, row0, r0, r1, wg, q4, split);
+    store_o(o, sL[r0] + sL[BM + r0], sL[r1] + sL[BM + r1], sM[r0], sM[r1], out, o_part, lse_part, M, row0, r0, r1,
+            wg, q4, split);
     EDGE(3)
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
