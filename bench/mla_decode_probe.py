@@ -2,8 +2,9 @@
 with its K refills after the first pair skipped (-DMLA_PAIR_NOLOAD=1: wrong results, the schedule and the fixed
 per-block work alone), and against a single split (one block streams every key), timed as the bench times (rotated
 inputs in one CUDA graph). If NOLOAD is close to the served time, the loads are not what decode waits for.
-Also the split merge alone (mla_combine on fp32 partials of the served split count) and the same launch with zero
-splits (it writes zeros: a graph node's floor), to size what an in-kernel merge could save.
+Also the split merge alone (mla_combine on fp32 partials of the served split count, rotated over 4 sets: read from
+HBM, where the served merge finds them in L2) and the same launch with zero splits (it writes zeros: an upper
+bound on one graph node, as each replay's own overhead is spread over 4 launches only).
 
 python bench/mla_decode_probe.py [OUT.json]      (repository root, an sm_90 GPU)
 """
