@@ -19,13 +19,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import mla_cases as mc  # noqa: E402
+from mla_trace import build  # noqa: E402  (bench/, the script's folder: the sm_90a module with given -D options)
 from optimized import mla_attention as mla  # noqa: E402
-
-
-def build():
-    import cupy
-    opts = ("-std=c++17", "-arch=sm_90a", "-DMLA_TRACE=1")
-    return cupy.RawModule(code=mla.kernel_source(), options=opts)
 
 
 def read_global(mod, name: str, shape: tuple) -> np.ndarray:
@@ -53,7 +48,7 @@ def timeline(mod, prefix: int, replays: int = 10) -> dict:
     i32 = np.int32
     args = (p(case.q_lat), p(case.q_pe), p(case.latent), p(case.tree_mask), p(out), p(o_part), p(lse), i32(t), i32(h),
             i32(s - t), i32(s), i32(case.tree_mask.shape[1]), i32(pl.chunk_keys),
-            np.float32(case.scale * 1.4426950408889634), np.uint64(0))
+            np.float32(case.scale * mla._LOG2E), np.uint64(0))
 
     def run():
         with mla._cupy_stream(torch.cuda.current_stream().cuda_stream, 0):
@@ -97,7 +92,7 @@ def timeline(mod, prefix: int, replays: int = 10) -> dict:
 def main(argv) -> None:
     out = argv[0] if argv and argv[0].endswith(".json") else None
     prefixes = [int(a) for a in argv[1 if out else 0:]] or [8192, 32768, 131072]
-    mod = build()
+    mod = build(["MLA_TRACE=1"])
     rows = []
     print(f"{torch.cuda.get_device_name(0)}; T = 1, H = 64; us from the first block's entry (last of 10 replays)")
     for prefix in prefixes:
