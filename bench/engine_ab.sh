@@ -5,16 +5,18 @@
 #
 #   bash bench/engine_ab.sh prepare BASE_COMMIT     # here: the base tree into _ab_base/ (git-ignored)
 #   OUT=dir bash bench/engine_ab.sh run             # on the GPU machine (the device's `carry` must name _ab_base)
+#   OUT=dir bash bench/engine_ab.sh k26             # the K2.6-width bench (bench/test_bench_k26.py) instead
 #
 # `run` writes $OUT/{base,new}/{bench.txt,engine_trained.{json,md,png},speed.txt} and prints both tables' tokens/s
-# and the speed tests' ratio lines.
+# and the speed tests' ratio lines; `k26` writes $OUT/{base,new}/{k26.txt,k26_engine.{json,md,png}} and prints both
+# verify / floor tables.
 set -u
 case "${1:-}" in
 prepare)
     base=${2:?usage: bench/engine_ab.sh prepare BASE_COMMIT}
     cd "$(dirname "$0")/.." && rm -rf _ab_base && mkdir _ab_base
     git archive "$base" optimized reference conformance fixtures bench/conftest.py bench/test_bench_engine.py \
-        pyproject.toml | tar -x -C _ab_base
+        bench/test_bench_k26.py pyproject.toml | tar -x -C _ab_base
     git rev-parse --short=12 "$base" > _ab_base/COMMIT
     du -sh _ab_base ;;
 run)
@@ -37,5 +39,20 @@ run)
     for side in base new; do
         echo "$side"; grep -E "^\| (ar|chain|ddtree) " "$OUT/$side/engine_trained.md" | cut -d'|' -f2-7
     done ;;
-*)  echo "usage: bench/engine_ab.sh prepare BASE_COMMIT | run"; exit 2 ;;
+k26)
+    OUT=${OUT:-/tmp/engine_ab}
+    [ -f _ab_base/COMMIT ] || { echo "no _ab_base/: run 'bench/engine_ab.sh prepare BASE' first and carry it"; exit 2; }
+    export PYTHONDONTWRITEBYTECODE=1
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    for side in base new; do
+        dir=$PWD; commit=${DDTREE_COMMIT:-unknown}
+        [ $side = base ] && dir=$PWD/_ab_base && commit=$(cat _ab_base/COMMIT)
+        mkdir -p "$OUT/$side"
+        (cd "$dir" && PYTHONPATH=$dir DDTREE_COMMIT=$commit DDTREE_BENCH_OUT=$OUT/$side \
+            timeout ${K26_TIMEOUT:-150} python3 -m pytest bench/test_bench_k26.py -q -p no:cacheprovider --tb=short \
+            > "$OUT/$side/k26.txt" 2>&1
+         echo "$side ($commit) k26 bench rc=$?")
+    done
+    for side in base new; do echo "$side"; grep -E "^\| (ar|ddtree) " "$OUT/$side/k26_engine.md"; done ;;
+*)  echo "usage: bench/engine_ab.sh prepare BASE_COMMIT | run | k26"; exit 2 ;;
 esac

@@ -460,6 +460,56 @@ def test_variants_bit_identical():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens,hot", [(65, 2), (300, 1), (129, 17)])
+def test_fused_passes_skewed_routing(tokens, hot):
+    """The one-launch kernel runs each 8*NT-token pass of a tile as its own queue item: with routings where a few
+    experts take most tokens (a verify tree's rows share tokens; 300 tokens on one expert is 38 passes of 8), y is
+    bitwise down(gate_up(x)) for every S = 1 variant, and each hot expert's rows equal a float64 GEMM over the
+    exact weights q * s."""
+    cfg = moe_config(hidden=512, inter=256, experts=32, top_k=8, group=32)
+    moe = bf16_moe(cfg, seed=tokens + hot)
+    w = moe_k.load_moe_weights(moe, cfg)
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 512, generator=gen).to(torch.bfloat16)
+    # slot 0 of every token goes to one of `hot` experts; the other 7 slots spread over the rest
+    rest = torch.rand(tokens, 32 - hot, generator=gen).argsort(-1)[:, :7] + hot
+    idx = torch.cat([torch.randint(0, hot, (tokens, 1), generator=gen), rest], 1)
+    counts = torch.bincount(idx.flatten(), minlength=32)
+    assert counts[:hot].max() >= tokens // hot and counts.max() > 8, counts
+    for v in [v for v in moe_k.GEMM_VARIANTS if v[3] == 1]:
+        gr = moe_k.group_tokens(idx.cuda(), w)
+        y = moe_k.down(moe_k.gate_up(x.cuda(), w, gr, v), w, gr, v)
+        g2 = moe_k.group_tokens(idx.cuda(), w)
+        yf = moe_k.gate_up_down(x.cuda(), w, g2, v)
+        assert torch.equal(yf[g2.pos_of_pair.long()], y[gr.pos_of_pair.long()]), f"variant {v}, {tokens} tokens"
+    pos = g2.pos_of_pair.cpu().view(tokens, 8)
+    for e in range(hot):
+        m = moe.experts[e]
+        wg, wu, wd = (lin.dequantized(torch.float64) for lin in (m.gate_proj, m.up_proj, m.down_proj))
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        xe = x[tok].double()
+        want = (torch.nn.functional.silu(xe @ wg.T) * (xe @ wu.T)) @ wd.T
+        assert_close(yf[pos[tok, slot].cuda()].cpu(), want, 2 ** -6, f"hot expert {e} ({counts[e]} tokens)")
+
+
+@pytest.mark.gpu
+def test_fused_refuses_too_many_active_experts():
+    """The one-launch kernel's pass table holds FUSED_MAX_ACTIVE experts: more active raises, and moe_routed's
+    default then runs the two launches (had it chosen the fused one, it would raise)."""
+    n = moe_k.FUSED_MAX_ACTIVE + 8
+    cfg = moe_config(hidden=64, inter=32, experts=n, top_k=8)
+    w = moe_k.load_moe_weights(bf16_moe(cfg, 0), cfg)
+    x = torch.randn(n, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).cuda()
+    idx = (torch.arange(n * 8).view(n, 8) % n).cuda()              # every expert active
+    wt = torch.full((n, 8), 0.125, device="cuda")
+    with pytest.raises(ValueError, match="pass table holds"):
+        moe_k.gate_up_down(x, w, moe_k.group_tokens(idx, w))
+    got = moe_k.moe_routed(x, idx, wt, w)
+    want = moe_k.moe_routed(x, idx, wt, w, fused=False)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 2, 4])
 def test_group_gate_up_one_launch(tokens):
     """group_gate_up (the grouping inside the gate/up launch, what moe_routed runs for <= 32 pairs) gives bitwise

@@ -69,6 +69,7 @@ _WARPS = 8
 # moe_routed runs gate/up and down as one launch from this many token-expert pairs: on the H200 the fused launch
 # was faster at T = 8..256 (K = 8) and slower at T = 1 (bench/results/moe_int4.md, `fused` columns).
 FUSED_MIN_PAIRS = 64
+FUSED_MAX_ACTIVE = 512   # local experts the one-launch kernel's pass-prefix table holds (MOE_FUSED_MAX_ACTIVE)
 
 
 def _pad64(n: int) -> int:
@@ -557,6 +558,9 @@ def gate_up_down(x: torch.Tensor, weights: MoEWeights, grouping: Grouping, varia
     y = torch.empty(h.shape[0], weights.hidden, dtype=torch.float32, device=x.device)
     r13, c13, r2, c2 = weights.w13.shape[1], weights.w13.shape[2], weights.w2.shape[1], weights.w2.shape[2]
     a = grouping.active.shape[1]
+    if a > FUSED_MAX_ACTIVE:
+        raise ValueError(f"gate_up_down: {a} local experts; the one-launch kernel's pass table holds "
+                         f"{FUSED_MAX_ACTIVE} (run gate_up then down, or hold fewer experts per rank)")
     _launch(name, x.device, (_grid(name, x.device, a * (r13 + r2)),), (32 * _WARPS,),
             (_p(weights.w13), _p(weights.s13), _p(weights.w2), _p(weights.s2), _p(xp), np.int32(xp.shape[1]),
              _p(grouping.token_of_pos), _p(grouping.active), np.int32(a), _p(grouping.n_active), _p(h),
@@ -603,12 +607,13 @@ def moe_routed(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, weights: MoE
                fused: Optional[bool] = None):
     """sum_k w[t,k] expert_{idx[t,k]}(x[t]) over the experts held in `weights` (+ add): [T, D].
     fused: gate/up and down in one launch (default from FUSED_MIN_PAIRS token-expert pairs on, for variants
-    that do not split K) or two."""
+    that do not split K and at most FUSED_MAX_ACTIVE active experts) or two."""
     _check_x(x, weights)
     if idx.shape != w.shape or idx.shape[0] != x.shape[0]:
         raise ValueError(f"moe_routed: idx {tuple(idx.shape)} / w {tuple(w.shape)} do not match x {tuple(x.shape)}")
     if fused is None:
-        fused = idx.numel() >= FUSED_MIN_PAIRS and (variant is None or _variant_key(variant)[3] == 1)
+        fused = idx.numel() >= FUSED_MIN_PAIRS and (variant is None or _variant_key(variant)[3] == 1) \
+            and min(weights.local_experts, idx.numel()) <= FUSED_MAX_ACTIVE
     if fused:
         g = group_tokens(idx, weights)
         y = gate_up_down(x, weights, g, variant)

@@ -30,7 +30,8 @@
 //   (8 experts) gate+up has 8*256 = 2048 items and down 8*448 = 3584 items: every SM gets ~15-27 warps, and a
 //   warp's own dependency chain (activation latency, HMMA chains) bounds T=1, hence XB, the two per-group HMMA
 //   chains and, for <= 32 pairs, the split-K variant (S = 2: 32 warps per SM at 64 registers).  An expert with
-//   more than 8*NT tokens re-streams its tile per further 8*NT tokens.
+//   more than 8*NT tokens re-streams its tile per further 8*NT tokens: in turn in the two-launch kernels, as
+//   separate items that run together (sharing the tile's HBM reads through L2) in the fused one.
 //
 // Napkin math (K2.6: D 7168, F 2048, group 32): per expert gate+up 14.68 MB nibbles + 1.84 MB scales, down
 //   7.34 + 0.92 MB: 24.77 MB.  T=1 touches 8 experts = 198 MB -> 46.7 us at 4.24 TB/s; T=64 ~284 experts =
@@ -185,7 +186,8 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
   return v;
 }
 
-// One work item: (active expert a, 16-row tile r), every 8*NT-token pass. NT n-tiles of 8 tokens per pass, U weight
+// One work item: (active expert a, 16-row tile r) and its 8*NT-token passes: every pass (the two-launch kernels,
+// p0 = 0) or pass p0 alone (FUSED). NT n-tiles of 8 tokens per pass, U weight
 // chunks per register stage (the next stage is in flight while this one is multiplied), XB chunks per activation
 // batch (U % XB == 0). FUSED (one launch for both GEMMs, see moe_int4_fused): EPI 1 waits for its expert's h, and
 // reads h with plain loads (it was written during this launch: not through the read-only path); EPI 0 signals
@@ -199,22 +201,21 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
 // grouped differently from S = 1 (not bitwise equal to it).
 template <int NT, int U, int XB, int EPI, bool FUSED, int S = 1>
 __device__ __forceinline__ void gemm_item(
-    int item, const uint4* __restrict__ wq, const u32* __restrict__ ws, const u16* __restrict__ act, int ld_act,
-    const int* __restrict__ row_of_pos, const int* __restrict__ active, int max_active, void* __restrict__ out,
-    int ld_out, int R, int C, int* __restrict__ done, int need) {
+    int a, int r, int p0, const uint4* __restrict__ wq, const u32* __restrict__ ws,
+    const u16* __restrict__ act, int ld_act, const int* __restrict__ row_of_pos, const int* __restrict__ active,
+    int max_active, void* __restrict__ out, int ld_out, int R, int C, int* __restrict__ done, int need) {
   static_assert(U % XB == 0, "XB must divide U");
   static_assert(S == 1 || (NT == 1 && !FUSED), "split K: NT = 1, two-launch kernels only");
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int warp = threadIdx.x >> 5, part = warp % S;
-  const int a = item / R, r = item - a * R;
   const int e = active[a], base = active[max_active + a], cnt = active[2 * max_active + a];
   const size_t tile = (size_t)e * R + r;
   const int cb = part * C / S, ce = (part + 1) * C / S;          // this part's chunks [cb, ce)
   const uint4* wt = wq + (tile * C + cb) * 32 + lane;
   const u32* st = ws + (tile * C + cb) * 16 + g * 2;
   const int x_off = cb * 64;                                    // activation columns before this part's chunks
-  for (int n0 = 0; n0 < cnt; n0 += NT * 8) {
+  for (int n0 = p0 * NT * 8; n0 < cnt; n0 += FUSED ? cnt : NT * 8) {   // fused: the one pass p0
     typename Pick<(S > 1), int, const u16*>::type xrow[NT];    // the token's row (split K: an int offset)
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
@@ -237,7 +238,7 @@ __device__ __forceinline__ void gemm_item(
       if (u < Cn) { cw[u] = ld_stream(wt + (size_t)u * 32); cs[u] = ld_stream64(st + (size_t)u * 16); }
       else { cw[u] = make_uint4(0u, 0u, 0u, 0u); cs[u] = make_uint2(0u, 0u); }
     }
-    if (FUSED && EPI == 1 && n0 == 0)                // the first weights are in flight; now wait for h
+    if (FUSED && EPI == 1 && n0 == p0 * NT * 8)      // the first weights are in flight; now wait for h
       while (ld_acquire(done + a) < need) __nanosleep(32);
     for (int c0 = 0; c0 < Cn; c0 += U) {
       uint4 nw[U];
@@ -320,9 +321,11 @@ __device__ __forceinline__ void walk_items(
     int ld_out, int R, int C) {
   const int per_block = (blockDim.x >> 5) / S;
   const int groups = gridDim.x * per_block;
-  for (int item = blockIdx.x * per_block + (threadIdx.x >> 5) / S; item < n_items; item += groups)
-    gemm_item<NT, U, XB, EPI, false, S>(item, wq, ws, act, ld_act, row_of_pos, active, max_active, out, ld_out, R,
-                                        C, nullptr, 0);
+  for (int item = blockIdx.x * per_block + (threadIdx.x >> 5) / S; item < n_items; item += groups) {
+    const int a = item / R;
+    gemm_item<NT, U, XB, EPI, false, S>(a, item - a * R, 0, wq, ws, act, ld_act, row_of_pos, active, max_active,
+                                        out, ld_out, R, C, nullptr, 0);
+  }
 }
 
 // ---- token -> expert grouping for <= 32 token-expert pairs -------------------------------------------------------
@@ -412,19 +415,64 @@ __global__ void __launch_bounds__(256, GEMM_MIN_BLOCKS(NT, U, S)) moe_int4_gate_
 
 // Both GEMMs in one launch: gate/up items first, then down items, handed out in that order from an atomic queue
 // (`sync[max_active]`, zeroed by the grouping kernel with the per-expert `done` counts `sync[0..max_active)`).
-// A down item waits until its expert's R13 gate/up tiles are done, with its first weights already in flight, so
-// the down stream starts while the last gate/up tiles finish instead of after a kernel boundary. No deadlock
-// whatever the residency: a warp takes a down item only after every gate/up item has been taken by a running
-// warp, and gate/up items never wait. The math is gemm_item's: bitwise equal to the two separate launches.
+// An item is one 8*NT-token pass over one tile, (a, r, p): an expert with more tokens than one pass holds has its
+// passes as separate items, adjacent in the queue (p fastest), so they run at the same time on neighbouring warps
+// and read the tile's weights from HBM about once (the rest through L2) instead of once per pass, one after another
+// (skewed routings: a verify tree's rows share tokens, so a few experts take tens of tokens). Every block rebuilds
+// the pass prefix pre[a] = sum of passes of experts before a in shared memory (one scan, no extra launch).
+// A down item waits until all of its expert's gate/up items (R13 tiles x passes) are done, with its first weights
+// already in flight, so the down stream starts while the last gate/up tiles finish instead of after a kernel
+// boundary. No deadlock whatever the residency: a warp takes a down item only after every gate/up item has been
+// taken by a running warp, and gate/up items never wait. The math is gemm_item's: bitwise equal to the two
+// separate launches.
+#define MOE_FUSED_MAX_ACTIVE 512   // pass-prefix table in shared memory (moe.py refuses more local experts)
+
+// (a, r, p) of item i of a GEMM with R tiles per expert: pre[a] * R <= i < pre[a + 1] * R, passes pre[a+1] - pre[a]
+__device__ __forceinline__ void pass_item(int i, const int* pre, int na, int R, int& a, int& r, int& p, int& np) {
+  int lo = 0, hi = na - 1;                 // the last a with pre[a] * R <= i
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (pre[mid] * R <= i) lo = mid; else hi = mid - 1;
+  }
+  a = lo;
+  np = pre[a + 1] - pre[a];
+  const int local = i - pre[a] * R;
+  r = local / np;
+  p = local - r * np;
+}
+
 template <int NT, int U, int XB>
 __global__ void __launch_bounds__(256, GEMM_MIN_BLOCKS(NT, U, 1)) moe_int4_fused(
     const uint4* __restrict__ w13, const u32* __restrict__ s13, const uint4* __restrict__ w2,
     const u32* __restrict__ s2, const u16* __restrict__ x, int ld_x, const int* __restrict__ row_of_pos,
     const int* __restrict__ active, int max_active, const int* __restrict__ n_active, u16* __restrict__ h, int ld_h,
     float* __restrict__ y, int ld_y, int R13, int C13, int R2, int C2, int* __restrict__ sync) {
-  const int lane = threadIdx.x & 31;
+  __shared__ int pre[MOE_FUSED_MAX_ACTIVE + 1];
+  __shared__ int warp_sum[8];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int na = n_active[0];
-  const int n13 = na * R13, n_items = n13 + na * R2;
+  {                                        // pre[0..512] by a block scan, two experts a thread (256 threads)
+    const int i0 = 2 * threadIdx.x, i1 = i0 + 1;
+    const int v0 = i0 < na ? (active[2 * max_active + i0] + 8 * NT - 1) / (8 * NT) : 0;
+    const int v1 = i1 < na ? (active[2 * max_active + i1] + 8 * NT - 1) / (8 * NT) : 0;
+    int s = v0 + v1;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int n = __shfl_up_sync(0xffffffffu, s, o);
+      if (lane >= o) s += n;
+    }
+    if (lane == 31) warp_sum[warp] = s;
+    __syncthreads();
+    int before = 0;
+    for (int w = 0; w < warp; ++w) before += warp_sum[w];
+    const int excl = before + s - v0 - v1;
+    pre[i0] = excl;
+    pre[i1] = excl + v0;
+    if (threadIdx.x == 255) pre[MOE_FUSED_MAX_ACTIVE] = before + s;
+    __syncthreads();
+  }
+  const int passes = pre[na];
+  const int n13 = passes * R13, n_items = n13 + passes * R2;
   int* queue = sync + max_active;
   int item = 0;
   if (lane == 0) item = atomicAdd(queue, 1);
@@ -433,12 +481,16 @@ __global__ void __launch_bounds__(256, GEMM_MIN_BLOCKS(NT, U, 1)) moe_int4_fused
     int next = 0;
     if (lane == 0) next = atomicAdd(queue, 1);      // taken now, used after this item
     next = __shfl_sync(0xffffffffu, next, 0);
-    if (item < n13)
-      gemm_item<NT, U, XB, 0, true>(item, w13, s13, x, ld_x, row_of_pos, active, max_active, h, ld_h, R13, C13,
-                                    sync, R13);
-    else
-      gemm_item<NT, U, XB, 1, true>(item - n13, w2, s2, h, ld_h, nullptr, active, max_active, y, ld_y, R2, C2,
-                                    sync, R13);
+    int a, r, p, np;
+    if (item < n13) {
+      pass_item(item, pre, na, R13, a, r, p, np);
+      gemm_item<NT, U, XB, 0, true>(a, r, p, w13, s13, x, ld_x, row_of_pos, active, max_active, h, ld_h, R13,
+                                    C13, sync, 0);
+    } else {
+      pass_item(item - n13, pre, na, R2, a, r, p, np);
+      gemm_item<NT, U, XB, 1, true>(a, r, p, w2, s2, h, ld_h, nullptr, active, max_active, y, ld_y, R2, C2,
+                                    sync, R13 * np);
+    }
     item = next;
   }
 }
