@@ -2,7 +2,7 @@
 (one launch) and two launches, against `pick_variant`'s choice, to set its policy for tiny experts (the trained
 pair's D 256, F 192, 16 experts top-4) without moving K2.6's (D 7168, F 2048, 384 experts top-8).
 
-    python bench/moe_variant_ab.py [--out FILE.json] [--shapes trained,k26]
+    python bench/moe_variant_ab.py [--out FILE.json] [--shapes trained,k26] [--tokens 5,9]
 
 Routing: the tokens' top-k experts drawn uniformly without replacement (seeded). Each case: 20 calls of
 `moe_routed` captured in one CUDA graph, median of 15 replays, microseconds per call. Prints a table: the
@@ -42,7 +42,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--shapes", default="trained,k26")
+    ap.add_argument("--tokens", default=None, help="comma-separated T for every shape (default: each shape's list)")
     args = ap.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else None
     rows = []
     for name in args.shapes.split(","):
         s = SHAPES[name]
@@ -50,7 +52,7 @@ def main() -> None:
                               n_routed_experts=s["n_routed_experts"], n_shared_experts=0,
                               quantization_config=SimpleNamespace(group_size=32))
         wts = random_moe_weights(cfg, "cuda", seed=1, shared=False)
-        for t in s["tokens"]:
+        for t in tokens or s["tokens"]:
             x = (torch.randn(t, s["hidden_size"], device="cuda") * 0.5).to(torch.bfloat16)
             idx, w = routing(t, s["n_routed_experts"], s["top_k"], seed=t)
             pairs = idx.numel()
