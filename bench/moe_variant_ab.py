@@ -68,12 +68,12 @@ def main() -> None:
             rows.append(dict(shape=name, tokens=t, pairs=pairs, policy_us=round(policy, 2),
                              policy_variant=str(moe_k.pick_variant(t, s["top_k"], s["n_routed_experts"], True,
                                                                   s["hidden_size"] * s["moe_intermediate_size"])),
-                             policy_fused=pairs >= moe_k.FUSED_MIN_PAIRS, best=best,
+                             policy_fused=pairs >= moe_k.fused_min_pairs(wts), best=best,
                              best_us=round(times[best], 2), variants={k: round(v, 2) for k, v in times.items()}))
             print(f"{name} T={t}: policy {policy:.1f} us, best {best} {times[best]:.1f} us", flush=True)
-    meta = dict(provenance_info(), fused_min_pairs=moe_k.FUSED_MIN_PAIRS)
+    meta = dict(provenance_info(), fused_min_pairs=moe_k.FUSED_MIN_PAIRS, fused_min_pairs_large=moe_k.FUSED_MIN_PAIRS_LARGE)
     save_rows(args.out, meta, rows)
-    print_table(f"\nrouted experts, us per call ({meta['gpu']}); policy = pick_variant + FUSED_MIN_PAIRS",
+    print_table(f"\nrouted experts, us per call ({meta['gpu']}); policy = pick_variant + fused_min_pairs",
                 ["shape", "T", "pairs", "policy", "policy us", "best", "best us"],
                 [(r["shape"], r["tokens"], r["pairs"], r["policy_variant"] + (" fused" if r["policy_fused"] else ""),
                   r["policy_us"], r["best"], r["best_us"]) for r in rows])

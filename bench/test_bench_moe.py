@@ -100,7 +100,7 @@ def measure(layer, tokens, reps=20, ref_reps=3, grouped=None) -> dict:
         paths = [(lambda x=x, i=i, wt=wt: moe_k.moe_routed(x, i, wt, w, fused=fused)) for x, i, wt in routes]
         paths[0]()
         row["fused_us" if fused else "two_launch_us"] = median(event_times(paths)) * 1e6
-    row["fused_default"] = tokens * cfg.num_experts_per_tok >= moe_k.FUSED_MIN_PAIRS
+    row["fused_default"] = tokens * cfg.num_experts_per_tok >= moe_k.fused_min_pairs(w)
     full = [(lambda x=x: moe_k.moe_forward(x, w, cfg)) for x, _, _ in routes]
     for fn in full[:3]:
         fn()
@@ -167,7 +167,7 @@ def markdown(res) -> str:
              f"{CEILING_TBPS} TB/s). Times: device medians over fresh random routings.", "",
              "`ours` runs gate/up and down in one launch from T*K >= {} pairs (`fused`), else as two launches "
              "(up to {} pairs the token grouping runs inside the gate/up launch and K is split over two warps); "
-             "both are timed on the same routings.".format(moe_k.FUSED_MIN_PAIRS, moe_k.SMALL_PAIRS), "",
+             "both are timed on the same routings.".format(moe_k.FUSED_MIN_PAIRS_LARGE, moe_k.SMALL_PAIRS), "",
              "| T | distinct experts | floor µs | ours µs | TB/s | % of 4.24 | two launches µs | fused µs | "
              "ours full µs | PyTorch ref µs | × ref | grouped bf16 µs | × grouped |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

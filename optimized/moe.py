@@ -69,6 +69,10 @@ _WARPS = 8
 # moe_routed runs gate/up and down as one launch from this many token-expert pairs: on the H200 the fused launch
 # was faster at T = 8..256 (K = 8) and slower at T = 1 (bench/results/moe_int4.md, `fused` columns).
 FUSED_MIN_PAIRS = 64
+# Experts above SMALL_EXPERT weights (K2.6's) take the one launch from 24 pairs on: H100, uniform routing
+# (bench/results/k26_run7/call2, moe_variant_ab): T = 3 210.9 us fused against 222.1 for the split-K two launches,
+# T = 5 317.9 against 334.7; at T = 1 (8 pairs) the two launches are within 1 us of any fused variant.
+FUSED_MIN_PAIRS_LARGE = 24
 FUSED_MAX_ACTIVE = 512   # local experts the one-launch kernel's pass-prefix table holds (MOE_FUSED_MAX_ACTIVE)
 
 
@@ -602,17 +606,23 @@ def _check_x(x: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
     return xp if xp.data_ptr() % 16 == 0 else xp.clone()          # the kernels read 16-byte vectors
 
 
+def fused_min_pairs(weights: MoEWeights) -> int:
+    """Token-expert pairs from which moe_routed runs gate/up and down as one launch: FUSED_MIN_PAIRS, or
+    FUSED_MIN_PAIRS_LARGE for experts of more than SMALL_EXPERT weights."""
+    return FUSED_MIN_PAIRS_LARGE if weights.hidden * weights.intermediate > SMALL_EXPERT else FUSED_MIN_PAIRS
+
+
 def moe_routed(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, weights: MoEWeights,
                add: Optional[torch.Tensor] = None, out_dtype=torch.bfloat16, out=None, variant=None,
                fused: Optional[bool] = None):
     """sum_k w[t,k] expert_{idx[t,k]}(x[t]) over the experts held in `weights` (+ add): [T, D].
-    fused: gate/up and down in one launch (default from FUSED_MIN_PAIRS token-expert pairs on, for variants
+    fused: gate/up and down in one launch (default from `fused_min_pairs` token-expert pairs on, for variants
     that do not split K and at most FUSED_MAX_ACTIVE active experts) or two."""
     _check_x(x, weights)
     if idx.shape != w.shape or idx.shape[0] != x.shape[0]:
         raise ValueError(f"moe_routed: idx {tuple(idx.shape)} / w {tuple(w.shape)} do not match x {tuple(x.shape)}")
     if fused is None:
-        fused = idx.numel() >= FUSED_MIN_PAIRS and (variant is None or _variant_key(variant)[3] == 1) \
+        fused = idx.numel() >= fused_min_pairs(weights) and (variant is None or _variant_key(variant)[3] == 1) \
             and min(weights.local_experts, idx.numel()) <= FUSED_MAX_ACTIVE
     if fused:
         g = group_tokens(idx, weights)

@@ -452,9 +452,11 @@ __global__ void __launch_bounds__(256, GEMM_MIN_BLOCKS(NT, U, 1)) moe_int4_fused
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int na = n_active[0];
   {                                        // pre[0..512] by a block scan, two experts a thread (256 threads)
-    const int i0 = 2 * threadIdx.x, i1 = i0 + 1;
-    const int v0 = i0 < na ? (active[2 * max_active + i0] + 8 * NT - 1) / (8 * NT) : 0;
-    const int v1 = i1 < na ? (active[2 * max_active + i1] + 8 * NT - 1) / (8 * NT) : 0;
+    const int i0 = 2 * threadIdx.x, i1 = i0 + 1;   // counts loaded with na, not after it (masked below)
+    const int c0 = i0 < max_active ? active[2 * max_active + i0] : 0;
+    const int c1 = i1 < max_active ? active[2 * max_active + i1] : 0;
+    const int v0 = i0 < na ? (c0 + 8 * NT - 1) / (8 * NT) : 0;
+    const int v1 = i1 < na ? (c1 + 8 * NT - 1) / (8 * NT) : 0;
     int s = v0 + v1;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
