@@ -448,13 +448,15 @@ __global__ void __launch_bounds__(256, GEMM_MIN_BLOCKS(NT, U, 1)) moe_int4_fused
     const int* __restrict__ active, int max_active, const int* __restrict__ n_active, u16* __restrict__ h, int ld_h,
     float* __restrict__ y, int ld_y, int R13, int C13, int R2, int C2, int* __restrict__ sync) {
   __shared__ int pre[MOE_FUSED_MAX_ACTIVE + 1];
-  __shared__ int warp_sum[8];
+  __shared__ int warp_sum[8], first_item[8];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int* queue = sync + max_active;
   const int na = n_active[0];
   {                                        // pre[0..512] by a block scan, two experts a thread (256 threads)
     const int i0 = 2 * threadIdx.x, i1 = i0 + 1;   // counts loaded with na, not after it (masked below)
     const int c0 = i0 < max_active ? active[2 * max_active + i0] : 0;
     const int c1 = i1 < max_active ? active[2 * max_active + i1] : 0;
+    if (lane == 0) first_item[warp] = atomicAdd(queue, 1);   // the warp's first item, taken during the loads
     const int v0 = i0 < na ? (c0 + 8 * NT - 1) / (8 * NT) : 0;
     const int v1 = i1 < na ? (c1 + 8 * NT - 1) / (8 * NT) : 0;
     int s = v0 + v1;
@@ -475,10 +477,7 @@ __global__ void __launch_bounds__(256, GEMM_MIN_BLOCKS(NT, U, 1)) moe_int4_fused
   }
   const int passes = pre[na];
   const int n13 = passes * R13, n_items = n13 + passes * R2;
-  int* queue = sync + max_active;
-  int item = 0;
-  if (lane == 0) item = atomicAdd(queue, 1);
-  item = __shfl_sync(0xffffffffu, item, 0);
+  int item = first_item[warp];
   while (item < n_items) {
     int next = 0;
     if (lane == 0) next = atomicAdd(queue, 1);      // taken now, used after this item
