@@ -11,6 +11,37 @@
 # and the speed tests' ratio lines; `k26` writes $OUT/{base,new}/{k26.txt,k26_engine.{json,md,png}} and prints both
 # verify / floor tables.
 set -u
+q="-q -p no:cacheprovider --tb=short"
+
+# Runs function $1 in the base tree, then in this checkout (cwd = the tree; $side, $dir, $commit set; $OUT/$side made).
+both_sides() {
+    OUT=${OUT:-/tmp/engine_ab}
+    [ -f _ab_base/COMMIT ] || { echo "no _ab_base/: run 'bench/engine_ab.sh prepare BASE' first and carry it"; exit 2; }
+    export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-dev} PYTHONDONTWRITEBYTECODE=1
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    for side in base new; do
+        dir=$PWD; commit=${DDTREE_COMMIT:-unknown}
+        [ $side = base ] && dir=$PWD/_ab_base && commit=$(cat _ab_base/COMMIT)
+        mkdir -p "$OUT/$side"
+        (cd "$dir" && "$1")
+    done
+}
+
+engine_side() {
+    PYTHONPATH=$dir DDTREE_COMMIT=$commit DDTREE_BENCH_OUT=$OUT/$side \
+        timeout ${BENCH_TIMEOUT:-200} python3 -m pytest bench/test_bench_engine.py $q -x > "$OUT/$side/bench.txt" 2>&1
+    echo "$side ($commit) bench rc=$?"
+    PYTHONPATH=$dir timeout ${SPEED_TIMEOUT:-200} python3 -m pytest conformance/test_engine_speed.py $q -s -rx \
+        > "$OUT/$side/speed.txt" 2>&1
+    echo "$side speed rc=$?"; grep -E "tokens/s:|ratio [0-9]" "$OUT/$side/speed.txt"
+}
+
+k26_side() {
+    PYTHONPATH=$dir DDTREE_COMMIT=$commit DDTREE_BENCH_OUT=$OUT/$side \
+        timeout ${K26_TIMEOUT:-150} python3 -m pytest bench/test_bench_k26.py $q > "$OUT/$side/k26.txt" 2>&1
+    echo "$side ($commit) k26 bench rc=$?"
+}
+
 case "${1:-}" in
 prepare)
     base=${2:?usage: bench/engine_ab.sh prepare BASE_COMMIT}
@@ -20,39 +51,12 @@ prepare)
     git rev-parse --short=12 "$base" > _ab_base/COMMIT
     du -sh _ab_base ;;
 run)
-    OUT=${OUT:-/tmp/engine_ab}
-    [ -f _ab_base/COMMIT ] || { echo "no _ab_base/: run 'bench/engine_ab.sh prepare BASE' first and carry it"; exit 2; }
-    export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-dev} PYTHONDONTWRITEBYTECODE=1
-    q="-q -p no:cacheprovider --tb=short"
-    nvidia-smi --query-gpu=name --format=csv,noheader
-    for side in base new; do
-        dir=$PWD; commit=${DDTREE_COMMIT:-unknown}
-        [ $side = base ] && dir=$PWD/_ab_base && commit=$(cat _ab_base/COMMIT)
-        mkdir -p "$OUT/$side"
-        (cd "$dir" && PYTHONPATH=$dir DDTREE_COMMIT=$commit DDTREE_BENCH_OUT=$OUT/$side \
-            timeout ${BENCH_TIMEOUT:-200} python3 -m pytest bench/test_bench_engine.py $q -x > "$OUT/$side/bench.txt" 2>&1
-         echo "$side ($commit) bench rc=$?"
-         PYTHONPATH=$dir timeout ${SPEED_TIMEOUT:-200} python3 -m pytest conformance/test_engine_speed.py $q -s -rx \
-            > "$OUT/$side/speed.txt" 2>&1
-         echo "$side speed rc=$?"; grep -E "tokens/s:|ratio [0-9]" "$OUT/$side/speed.txt")
-    done
+    both_sides engine_side
     for side in base new; do
         echo "$side"; grep -E "^\| (ar|chain|ddtree) " "$OUT/$side/engine_trained.md" | cut -d'|' -f2-7
     done ;;
 k26)
-    OUT=${OUT:-/tmp/engine_ab}
-    [ -f _ab_base/COMMIT ] || { echo "no _ab_base/: run 'bench/engine_ab.sh prepare BASE' first and carry it"; exit 2; }
-    export PYTHONDONTWRITEBYTECODE=1
-    nvidia-smi --query-gpu=name --format=csv,noheader
-    for side in base new; do
-        dir=$PWD; commit=${DDTREE_COMMIT:-unknown}
-        [ $side = base ] && dir=$PWD/_ab_base && commit=$(cat _ab_base/COMMIT)
-        mkdir -p "$OUT/$side"
-        (cd "$dir" && PYTHONPATH=$dir DDTREE_COMMIT=$commit DDTREE_BENCH_OUT=$OUT/$side \
-            timeout ${K26_TIMEOUT:-150} python3 -m pytest bench/test_bench_k26.py -q -p no:cacheprovider --tb=short \
-            > "$OUT/$side/k26.txt" 2>&1
-         echo "$side ($commit) k26 bench rc=$?")
-    done
+    both_sides k26_side
     for side in base new; do echo "$side"; grep -E "^\| (ar|ddtree) " "$OUT/$side/k26_engine.md"; done ;;
 *)  echo "usage: bench/engine_ab.sh prepare BASE_COMMIT | run | k26"; exit 2 ;;
 esac
