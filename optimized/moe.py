@@ -66,8 +66,9 @@ _KERNELS = Path(__file__).resolve().parent / "kernels"
 # one-launch kernel.
 GEMM_VARIANTS = ((1, 4, 4, 1), (1, 4, 1, 1), (1, 2, 2, 1), (4, 1, 1, 1), (1, 1, 1, 2))
 _WARPS = 8
-# moe_routed runs gate/up and down as one launch from this many token-expert pairs: on the H200 the fused launch
-# was faster at T = 8..256 (K = 8) and slower at T = 1 (bench/results/moe_int4.md, `fused` columns).
+# moe_routed runs gate/up and down as one launch from this many token-expert pairs for experts of at most
+# SMALL_EXPERT weights (the trained pair's). Set first at K2.6 shapes, where on the H200 the fused launch was faster
+# at T = 8..256 (K = 8) and slower at T = 1 (bench/results/moe_int4.md, `fused` columns).
 FUSED_MIN_PAIRS = 64
 # Experts above SMALL_EXPERT weights (K2.6's) take the one launch from 24 pairs on: H100, uniform routing
 # (bench/results/k26_run7/call2, moe_variant_ab): T = 3 210.9 us fused against 222.1 for the split-K two launches,
