@@ -19,42 +19,14 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import mla_cases as mc  # noqa: E402
-from mla_trace import build  # noqa: E402  (bench/, the script's folder: the sm_90a module with given -D options)
-from optimized import mla_attention as mla  # noqa: E402
-
-
-def read_global(mod, name: str, shape: tuple) -> np.ndarray:
-    host = np.zeros(shape, dtype=np.uint64)
-    mod.get_global(name).copy_to_host(host.ctypes.data_as(np.ctypeslib.ctypes.c_void_p), host.nbytes)
-    return host
+from mla_trace import build, launcher, read_global  # noqa: E402  (bench/, the script's folder)
 
 
 def timeline(mod, prefix: int, replays: int = 10) -> dict:
     case = mc.make_case(1, 64, prefix, seed=prefix)
-    t, h, c = case.q_lat.shape
-    s = case.latent.shape[0]
-    info = mla.device_info(0)
-    pl = mla.plan(t, h, c, case.q_pe.shape[2], s, info["sm_count"], info["smem_optin"], None, None, info["cc"])
+    run, pl, out = launcher(mod, None, case, None, merge=True)
     if pl.kernel != "mla_wgmma_pair" or pl.splits < 2 or pl.grid[0] != 1:
         raise SystemExit(f"P={prefix}: the plan is {pl}; this probe reads a split pair kernel over one row tile")
-    fn = mod.get_function(pl.kernel)
-    fn.max_dynamic_shared_size_bytes = pl.smem
-    comb = mod.get_function("mla_combine")
-    m = t * h
-    out = torch.empty((t, h, c), dtype=torch.bfloat16, device="cuda")
-    o_part = torch.empty((pl.splits, m, c), dtype=torch.float32, device="cuda")
-    lse = torch.empty((pl.splits, m), dtype=torch.float32, device="cuda")
-    p = lambda x: np.uint64(x.data_ptr())  # noqa: E731
-    i32 = np.int32
-    args = (p(case.q_lat), p(case.q_pe), p(case.latent), p(case.tree_mask), p(out), p(o_part), p(lse), i32(t), i32(h),
-            i32(s - t), i32(s), i32(case.tree_mask.shape[1]), i32(pl.chunk_keys),
-            np.float32(case.scale * mla._LOG2E), np.uint64(0))
-
-    def run():
-        with mla._cupy_stream(torch.cuda.current_stream().cuda_stream, 0):
-            fn(pl.grid, pl.block, args, shared_mem=pl.smem)
-            comb((m, c // 128, 1), (mla.COMBINE_THREADS, 1, 1), (p(o_part), p(lse), p(out), i32(m), i32(c),
-                                                                 i32(pl.splits)))
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -69,8 +41,8 @@ def timeline(mod, prefix: int, replays: int = 10) -> dict:
     for _ in range(replays):
         g.replay()
     torch.cuda.synchronize()
-    e = read_global(mod, "mla_edges", (256, 8))[:pl.splits].astype(np.int64)
-    mg = read_global(mod, "mla_merge_edges", (256, 2)).astype(np.int64)
+    e = read_global(mod, "mla_edges", (256, 8), np.uint64)[:pl.splits].astype(np.int64)
+    mg = read_global(mod, "mla_merge_edges", (256, 2), np.uint64).astype(np.int64)
     t0 = e[:, 0].min()
     us = lambda x: (x - t0) / 1e3  # noqa: E731
     med = lambda x: float(np.median(x))  # noqa: E731

@@ -36,14 +36,17 @@ def build(defines):
     return mod
 
 
-def launcher(mod, name, case, splits):
-    import cupy
+def launcher(mod, name, case, splits, merge=False):
+    """run() launches kernel `name` of `mod` (None: the plan's choice) over `case` with `splits` (None: the plan's)
+    on the current torch stream at call time (so a CUDA graph captures it), then mla_combine when `merge` (the
+    split merge, as served). Returns run, the plan and the output buffer."""
     t, h, c = case.q_lat.shape
     info = mla.device_info(0)
     pl = mla.plan(t, h, c, case.q_pe.shape[2], case.latent.shape[0], info["sm_count"], info["smem_optin"],
                   name, splits, info["cc"])
-    fn = mod.get_function(name)
+    fn = mod.get_function(pl.kernel)
     fn.max_dynamic_shared_size_bytes = pl.smem
+    comb = mod.get_function("mla_combine") if merge and pl.splits > 1 else None
     m = t * h
     out = torch.empty((t, h, c), dtype=torch.bfloat16, device="cuda")
     o_part = torch.empty((pl.splits, m, c), dtype=torch.float32, device="cuda") if pl.splits > 1 else None
@@ -51,13 +54,23 @@ def launcher(mod, name, case, splits):
     p = lambda x: np.uint64(0 if x is None else x.data_ptr())  # noqa: E731
     args = (p(case.q_lat), p(case.q_pe), p(case.latent), p(case.tree_mask), p(out), p(o_part), p(lse), np.int32(t),
             np.int32(h), np.int32(case.latent.shape[0] - t), np.int32(case.latent.shape[0]),
-            np.int32(case.tree_mask.shape[1]), np.int32(pl.chunk_keys), np.float32(case.scale * 1.4426950408889634),
+            np.int32(case.tree_mask.shape[1]), np.int32(pl.chunk_keys), np.float32(case.scale * mla._LOG2E),
             np.uint64(0))
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+
     def run():
-        with stream:
+        with mla._cupy_stream(torch.cuda.current_stream().cuda_stream, 0):
             fn(pl.grid, pl.block, args, shared_mem=pl.smem)
-    return run, pl
+            if comb is not None:
+                comb((m, c // 128, 1), (mla.COMBINE_THREADS, 1, 1),
+                     (p(o_part), p(lse), p(out), np.int32(m), np.int32(c), np.int32(pl.splits)))
+    return run, pl, out
+
+
+def read_global(mod, name: str, shape: tuple, dtype=np.int64) -> np.ndarray:
+    """A __device__ array of `mod` (the trace stamps) copied to the host."""
+    host = np.zeros(shape, dtype=dtype)
+    mod.get_global(name).copy_to_host(host.ctypes.data_as(np.ctypeslib.ctypes.c_void_p), host.nbytes)
+    return host
 
 
 def per_call(run, reps=20):
@@ -80,14 +93,12 @@ def main(argv):
         row = []
         for label, mod, name in (("pair", plain, "mla_wgmma_pair"), ("pair, no K refills", noload, "mla_wgmma_pair"),
                                  ("pair, traced", traced, "mla_wgmma_pair"), ("one-tile", plain, "mla_wgmma_m64_n64")):
-            run, pl = launcher(mod, name, case, 1)
+            run, pl, _ = launcher(mod, name, case, 1)
             us = per_call(run)
             tiles = pl.grid[0] * -(-case.latent.shape[0] // 64)
             row.append(f"{label}: {us:.1f} us ({us * 132 / tiles:.2f} us per tile per SM)")
             if label == "pair, traced":
-                tr = mod.get_global("mla_trace")
-                host = np.empty((2, 64, 16), dtype=np.int64)
-                tr.copy_to_host(host.ctypes.data_as(np.ctypeslib.ctypes.c_void_p), host.nbytes)
+                host = read_global(mod, "mla_trace", (2, 64, 16))
                 n_pairs = min(64, -(-case.latent.shape[0] // 128))
                 lo, hi = 2, max(3, n_pairs - 1)
                 start = host[0, lo:hi, 0].astype(np.float64)
