@@ -1,0 +1,120 @@
+"""Probe: what each part of the two top-K launches costs, by taking it out. Each variant is
+optimized/kernels/tree_topk.py with one part removed (a source patch, loaded as its own module; the served code is not
+touched), launched on the tree bench's logits exactly as tree_numba._topk_stage launches the real kernels, and timed
+per call in a 20-call CUDA graph (bench/conftest.graph_us). The variants compute wrong answers on purpose: only
+their times mean anything, and the real kernels' output is checked against the reference once per case.
+
+    stats   the served topk_stats              filter    the served topk_filter (after a served topk_stats)
+    s_empty returns at entry (launch + ramp)    f_empty   returns at entry
+    s_loop  only the load / max / exp /         f_notail  no last-block select and sort (the last block only
+            histogram loop (returns after it)             resets the counters)
+    s_nohist  no shared histogram atomics
+    s_noexp   no fp64 exp (s += x)
+    s_noflush no flush of the histogram to global memory
+    s_notail  no last-block lse / bin search (the last block only resets `done`)
+
+Usage (GPU): python bench/topk_ablate.py [--out FILE.json]"""
+import argparse
+import importlib.util
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, ".."), os.path.join(HERE, "..", "conformance")]
+from conftest import graph_us, print_table, save_rows  # noqa: E402
+from optimized import tree_numba as opt  # noqa: E402
+from test_tree_numba import logits  # noqa: E402
+from reference import tree as ref  # noqa: E402
+
+SRC = os.path.join(HERE, "..", "optimized", "kernels", "tree_topk.py")
+CASES = [("normal", 7, 16), ("normal", 15, 16), ("normal", 15, 256), ("normal", 15, 1024)]
+
+_STATS_ENTRY = "    p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x\n    T = cuda.blockDim.x if SIM else TOPK_T\n    nparts = cuda.gridDim.x\n    wm ="
+_FILTER_ENTRY = "    p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x\n    T = cuda.blockDim.x if SIM else TOPK_T\n    lane = tid % WARP\n"
+PATCHES = {
+    "s_empty": [(_STATS_ENTRY, _STATS_ENTRY.replace("    wm =", "    if row >= 0:\n        return\n    wm ="))],
+    "s_loop": [("    bm, bs = block_max_sum(m, s, wm, ws, fbuf)\n    for i in range(tid, NB, T):",
+                "    if s < -1.0:\n        part_s[row, p] = s + sh[tid]\n    return\n"
+                "    bm, bs = block_max_sum(m, s, wm, ws, fbuf)\n    for i in range(tid, NB, T):")],
+    "s_nohist": [("            cuda.atomic.add(sh, b, 1)\n", "            sh[NB] = b\n")],
+    "s_noexp": [("            s *= exp_le0(m - mn, tab) if m > -math.inf else 0.0\n", "            s *= 0.5\n"),
+                ("                s += exp_le0(np.float64(vals[j]) - mn, tab)", "                s += np.float64(vals[j])")],
+    "s_noflush": [("            cuda.atomic.add(hist, (row, i), c)\n", "            sh[NB] = c\n")],
+    "s_notail": [("    if flag[0] == 0:\n        return\n",
+                  "    if flag[0] == 0:\n        return\n    if tid == 0:\n        done[row] = 0\n    return\n")],
+    "f_empty": [(_FILTER_ENTRY, _FILTER_ENTRY + "    if row >= 0:\n        return\n")],
+    "f_notail": [("    if shr[0] == 0:\n        return\n    cuda.threadfence()\n",
+                  "    if shr[0] == 0:\n        return\n    if tid == 0:\n        counters[row, 0] = 0\n"
+                  "        counters[row, 1] = 0\n    return\n    cuda.threadfence()\n")],
+}
+
+
+def variant(name: str):
+    """tree_topk with PATCHES[name] applied (each pattern must match exactly once), as its own module."""
+    text = open(SRC).read()
+    for old, new in PATCHES[name]:
+        if text.count(old) != 1:
+            raise RuntimeError(f"{name}: pattern found {text.count(old)} times, expected once: {old[:60]!r}")
+        text = text.replace(old, new)
+    modname = f"optimized.kernels.tree_topk_{name}"
+    spec = importlib.util.spec_from_loader(modname, loader=None, origin=SRC)
+    mod = importlib.util.module_from_spec(spec)
+    mod.__package__ = "optimized.kernels"
+    mod.__file__ = SRC
+    sys.modules[modname] = mod
+    exec(compile(text, f"<{modname}>", "exec"), mod.__dict__)
+    return mod
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    mods = {name: variant(name) for name in PATCHES}
+    rows = []
+    for kind, depth, budget in CASES:
+        x = logits(kind, depth, 163_840, 7 * depth + budget, device="cuda")
+        cfg = opt.DEFAULT_CONFIG
+        k = min(budget, x.shape[1])
+        ws = opt._workspace(x.device, depth, x.shape[1], k, budget, cfg)
+        xa, a, grid, tpb = opt._arr(x), ws.a, (ws.parts, depth), cfg.topk_threads
+        s = lambda: opt._stream(x.device)   # noqa: E731  (the current stream when called: graph capture sees it)
+
+        def stats(m=opt):
+            m.topk_stats[grid, tpb, s()](xa, x.shape[1], ws.chunk, k, a["part_m"], a["part_s"], a["lse"], a["hist"],
+                                         a["done"], a["sel"])
+
+        def filt(m=opt):
+            m.topk_filter[grid, tpb, s()](xa, x.shape[1], ws.chunk, k, a["lse"], a["sel"], a["counters"], a["cand"],
+                                          a["top_lp"], a["top_id"])
+
+        stats()
+        filt()
+        torch.cuda.synchronize()
+        want_lp, want_id = ref.ranked_candidates(x.cpu(), k)
+        exact = bool(torch.equal(ws.top_id.cpu(), want_id) and torch.equal(ws.top_lp.cpu(), want_lp))
+        row = dict(kind=kind, L=depth, budget=budget, parts=ws.parts, chunk=ws.chunk, threads=tpb, exact=exact,
+                   stats=round(graph_us(stats), 2), filter=round(graph_us(filt), 2),
+                   topk=round(graph_us(lambda: (stats(), filt())), 2))
+        for name, mod in mods.items():
+            if name.startswith("s_"):
+                row[name] = round(graph_us(lambda m=mod: stats(m)), 2)
+            else:
+                stats()             # the served stats first: lse and sel as the filter expects them
+                row[name] = round(graph_us(lambda m=mod: filt(m)), 2)
+        # the ablations leave the workspace's counters and histogram dirty: a fresh one for the next case
+        opt._workspaces.clear()
+        rows.append(row)
+        print(row, flush=True)
+    names = ["stats"] + [n for n in PATCHES if n.startswith("s_")] + ["filter"] + [n for n in PATCHES if n.startswith("f_")] + ["topk"]
+    print_table("us per call in a 20-call graph (each variant removes one part; see the docstring)",
+                ["kind", "L", "B", "parts", "exact"] + names,
+                [[r["kind"], r["L"], r["budget"], r["parts"], r["exact"]] + [r[n] for n in names] for r in rows])
+    meta = dict(device=torch.cuda.get_device_name(), commit=os.environ.get("DDTREE_COMMIT", "?"), torch=torch.__version__)
+    save_rows(args.out, meta, rows)
+
+
+if __name__ == "__main__":
+    main()
