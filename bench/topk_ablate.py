@@ -8,6 +8,7 @@ their times mean anything, and the real kernels' output is checked against the r
     s_empty returns at entry (launch + ramp)    f_empty   returns at entry
     s_loop  only the load / max / exp /         f_notail  no last-block select and sort (the last block only
             histogram loop (returns after it)             resets the counters)
+                                              f_nofence no threadfence before the last-block count
     s_nohist  no shared histogram atomics
     s_noexp   no fp64 exp (s += x)
     s_noflush no flush of the histogram to global memory
@@ -48,6 +49,8 @@ PATCHES = {
     "f_notail": [("    if shr[0] == 0:\n        return\n    cuda.threadfence()\n",
                   "    if shr[0] == 0:\n        return\n    if tid == 0:\n        counters[row, 0] = 0\n"
                   "        counters[row, 1] = 0\n    return\n    cuda.threadfence()\n")],
+    "f_nofence": [("    cuda.threadfence()\n    cuda.syncthreads()\n    if tid == 0:\n        shr[0] = 1 if cuda.atomic.add(counters",
+                   "    cuda.syncthreads()\n    if tid == 0:\n        shr[0] = 1 if cuda.atomic.add(counters")],
 }
 
 

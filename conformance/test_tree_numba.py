@@ -323,6 +323,63 @@ def test_sim_beam_batches_and_whole_row_select(sim, monkeypatch):
         assert_same_tree(got, ref.build_tree(x, 8), kind)
 
 
+def composite_key(lp: float, token: int) -> int:
+    """tree_topk's composite key of a token on the host: (sortable(lp) - 2^31) << 32 | (2^32 - 1 - id)."""
+    import struct
+    b = struct.unpack("<i", struct.pack("<f", lp))[0]
+    sortable = 0x7FFFFFFF - (b & 0x7FFFFFFF) if b < 0 else 0x80000000 + b
+    return ((sortable - 0x80000000) << 32) | (0xFFFFFFFF - token)
+
+
+@sim_only
+@settings(max_examples=60 if SOAK else 25, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(pattern=st.sampled_from(["spread", "ties", "one", "outlier", "two"]), n=st.integers(1, 64),
+       kfrac=st.floats(0.0, 1.0), seed=st.integers(0, 2 ** 31 - 1), threads=st.sampled_from([4, 8, 16]))
+@example(pattern="one", n=64, kfrac=1.0, seed=0, threads=4)          # one log-prob: buckets by token id
+@example(pattern="outlier", n=64, kfrac=0.5, seed=1, threads=8)     # one far key, the rest in a narrow band
+def test_sim_bucket_rank(sim, pattern, n, kfrac, seed, threads):
+    """tree_topk.bucket_rank, the last block's rank of the candidates, on its own: every rank < k of n distinct
+    composite keys lands where a sort puts it, for key sets that stress the buckets (equal log-probs, one log-prob
+    for all, one outlier and a narrow band, two values), at every block size the simulator runs."""
+    import numpy as np
+    from optimized.kernels import tree_topk as K
+    from optimized.kernels.tree_device import TBUF
+    src = """
+def rank(cand, n, k, top_lp, top_id):
+    grp = cuda.shared.array(K.CAP, np.int64)
+    cnt = cuda.shared.array(K.NBK, np.int32)
+    tmp = cuda.shared.array(32, np.int64)
+    buf = cuda.shared.array(TBUF, np.int64)
+    shr = cuda.shared.array(2, np.int64)
+    K.bucket_rank(cand, 0, n, k, grp, cnt, tmp, buf, shr, top_lp, top_id)
+"""
+    rank = sim_kernel(src, "rank", K=K, TBUF=TBUF)
+    g = torch.Generator().manual_seed(seed)
+    if pattern == "spread":
+        lps = (-30 * torch.rand(n, generator=g)).tolist()
+    elif pattern == "ties":
+        lps = torch.tensor([-1.5, -2.0, -7.25])[torch.randint(0, 3, (n,), generator=g)].tolist()
+    elif pattern == "one":
+        lps = [-3.0] * n
+    elif pattern == "outlier":
+        lps = [-0.001] + (-23 - 2.5 * torch.rand(n - 1, generator=g)).tolist()
+    else:
+        lps = [-1.0 if i % 2 else -1e-6 for i in range(n)]
+    lps = [float(np.float32(v)) for v in lps]
+    ids = torch.randperm(100_000, generator=g)[:n].tolist()
+    keys = [composite_key(v, t) for v, t in zip(lps, ids)]
+    k = max(1, min(n, round(kfrac * n)))
+
+    cand = np.array([keys], dtype=np.int64)
+    top_lp = np.full((1, k), np.nan, dtype=np.float32)
+    top_id = np.full((1, k), -1, dtype=np.int64)
+    rank[1, threads](cand, n, k, top_lp, top_id)
+    order = sorted(range(n), key=lambda i: keys[i], reverse=True)[:k]
+    assert top_id[0].tolist() == [ids[i] for i in order], f"{pattern} n={n} k={k} T={threads}"
+    assert top_lp[0].tolist() == [lps[i] for i in order], f"{pattern} n={n} k={k} T={threads}"
+
+
 @sim_only
 @pytest.mark.parametrize("runs_max", [1, 1000])
 def test_sim_beam_orders_new_candidates_by_sort_and_by_rank(sim, monkeypatch, runs_max):
@@ -561,44 +618,6 @@ def probe_state(pss, ds, rs, tm, tdig, out):
         assert out.tolist() == want, (trial, k, tm, tdig.tolist(), tq, list(zip(sps, pss, ds)))
         checked += 16
     assert checked == 640
-
-
-@sim_only
-def test_sim_radix_select_from_the_first_differing_digit():
-    """tree_topk.radix_select over distinct keys in shared memory returns the k-th largest for every k, whichever
-    digit the keys first differ in (it skips the digits they share and stops once its bin holds one key): keys
-    sharing 0-60 top bits, negative and positive, clustered (as real candidates are) and spread."""
-    import numpy as np
-    from optimized.kernels import tree_topk as K
-    from optimized.kernels.tree_device import TBUF
-    src = """
-def select(keys_in, k, out):
-    keys = cuda.shared.array(64, np.int64)
-    bins = cuda.shared.array(K.RB, np.int32)
-    tmp = cuda.shared.array(32, np.int64)
-    buf = cuda.shared.array(TBUF, np.int64)
-    shr = cuda.shared.array(2, np.int64)
-    n = keys_in.shape[0]
-    for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
-        keys[i] = keys_in[i]
-    cuda.syncthreads()
-    key = K.radix_select(keys, n, k, keys_in, 0, 0.0, False, bins, tmp, buf, shr)
-    if cuda.threadIdx.x == 0:
-        out[0] = key
-"""
-    select = sim_kernel(src, "select", K=K, TBUF=TBUF)
-
-    rng = np.random.default_rng(7)
-    for shared_bits, n in ((0, 40), (8, 33), (13, 64), (29, 50), (40, 17), (56, 9), (60, 5)):
-        for sign in (1, -1):
-            top = (np.int64(sign) * np.int64(rng.integers(1, 2 ** 30))) << np.int64(33)
-            mask = (1 << (64 - shared_bits)) - 1 if shared_bits else -1
-            keys = np.unique((top & ~np.int64(mask)) | (rng.integers(0, 2 ** 62, size=n, dtype=np.int64) & mask))
-            order = np.sort(keys)[::-1]
-            for k in sorted({1, 2, len(keys) // 2, len(keys) - 1, len(keys)}):
-                out = np.zeros(1, np.int64)
-                select[1, 16](keys, k, out)
-                assert out[0] == order[k - 1], (shared_bits, sign, k)
 
 
 @sim_only

@@ -33,7 +33,7 @@ from .kernels.tree_beam import BMAX, beam_for
 from .kernels.tree_list import LIST_BMAX, MAX_DEPTH, auto_for, list_for
 from .kernels.tree_thresh import BMAX_THRESH, SCRATCH_ROWS, STATS, scratch_nodes, thresh_for
 from .kernels.tree_device import SIM, WARP
-from .kernels.tree_topk import (CAP, DIRECT, EPT, NB, PMAX, SORT_NA, TOPK_T, WAVE_BLOCKS, topk_filter,
+from .kernels.tree_topk import (CAP, EPT, NB, PMAX, SORT_NA, TOPK_T, WAVE_BLOCKS, topk_filter,
                                 topk_stats)
 from .kernels.tree_verify import commit_kv, compile_rows, follow, gather_rows
 from reference.tree import CompiledTree, Tree, check_build_args, node_count
@@ -133,9 +133,9 @@ def _check_config(cfg: Config) -> Config:
                          f"got {cfg.list_max!r}")
     if cfg.beam not in BEAMS:
         raise ValueError(f"beam must be one of {BEAMS}, got {cfg.beam!r}")
-    if cfg.topk_threads * SORT_NA < max(DIRECT, BMAX):
-        raise ValueError(f"topk_threads {cfg.topk_threads} < {max(DIRECT, BMAX) // SORT_NA}: the top-K's final sort "
-                         f"holds {max(DIRECT, BMAX)} keys in {SORT_NA} registers per thread")
+    if cfg.topk_threads * SORT_NA < BMAX:
+        raise ValueError(f"topk_threads {cfg.topk_threads} < {BMAX // SORT_NA}: the top-K's whole-row sort "
+                         f"holds {BMAX} keys in {SORT_NA} registers per thread")
     return cfg
 
 

@@ -12,14 +12,13 @@ Two launches:
     topk_filter   per chunk: every token with x >= lo(b) - band is a candidate (band: a few fp32 ulps of |x - lse|
                   plus the 2^-28 grid, so every token whose grid log-prob can equal the K-th largest one is in);
                   its composite key (sortable(lp) - 2^31) << 32 | (2^32 - 1 - id) -- larger is better, unique -- goes
-                  to the row's candidate list. The last block of the row sorts up to DIRECT candidates whole
-                  (tree_device.pair_sort: a bitonic network in registers and shuffles); more than that, it
-                  radix-selects the K-th largest composite key (8-bit digits, from the first digit in which the
-                  keys differ until the chosen bin holds one key; at most CAP keys), compacts the K keys above it
-                  and sorts those. It writes lp and ids. When the candidates overflow CAP
-                  (tie-heavy rows: equal, integer, collapsing logits) or lo(b) is not usable (-inf, the -2^21
-                  floor), the same select runs over the whole row, recomputing each token's key per pass (exact,
-                  slow, tie-heavy rows only).
+                  to the row's candidate list. The last block of the row ranks its (at most CAP) candidates by
+                  a bucket sort (bucket_rank: buckets by a monotone map of the log-prob, then a count of the larger
+                  keys in the key's own bucket; a few barriers, no sort network) and writes lp and ids of ranks < K.
+                  When the candidates overflow CAP (tie-heavy rows: equal, integer, collapsing logits) or lo(b) is
+                  not usable (-inf, the -2^21 floor), it radix-selects the K-th largest key over the whole row,
+                  recomputing each token's key per pass, and sorts the K keys above it with a bitonic network
+                  (tree_device.pair_sort; exact, slow, tie-heavy rows only).
 Exactness: lp(x) = grid(fp32(x - lse)) is non-decreasing in x, so every token with lp >= lp_K (lp_K the
 log-prob of the K-th largest logit x_K >= lo(b)) has x >= lo(b) - band; the candidates therefore hold the top K.
 Per logit (sm_90 SASS): stats ~5 integer instructions for the bin, one shared atomic, ~14 fp64 for the exp (no
@@ -36,7 +35,7 @@ import numpy as np
 from numba import cuda
 
 from .tree_device import (DEVICE, EXP_TAB, KERNEL, LP_FLOOR, SIM, TBUF, WARP, ballot, block_scan, exp_le0,
-                          f32_bits, find_bin_for, first_digit, grid_log_prob, key_value, pair_sort, shfl_idx, shfl_xor,
+                          f32_bits, find_bin_for, grid_log_prob, key_value, pair_sort, shfl_idx, shfl_xor,
                           sortable_key)
 
 NB = 4096            # digit-0 histogram bins: the top 12 bits of the 32-bit sortable key
@@ -46,7 +45,7 @@ assert NB == 1 << (32 - SHIFT0)   # hist_bin's flips
 CAP = 64 if SIM else 4096   # candidates selected in shared memory (more: the whole-row path)
 PMAX = 128           # most chunks per row
 RB = 256             # radix bins of the final select (8-bit digits)
-DIRECT = 16 if SIM else 1024   # at most this many candidates: sorted whole, no radix select
+NBK = 64 if SIM else 2048      # buckets of the final rank (bucket_rank); a multiple of the block
 LOW = 0xFFFFFFFF     # composite key: high word sortable(lp) - 2^31, low word LOW - id
 NEG = -(2 ** 63)     # sorts after every composite key
 # The block on the GPU (a compile-time constant there: strided loops need no division) and the blocks per SM that
@@ -59,7 +58,8 @@ if TOPK_T not in (256, 512, 1024):
     raise ValueError(f"DDTREE_TOPK_THREADS must be 256, 512 or 1024, got {TOPK_T}")
 WAVE_BLOCKS = 1024 // TOPK_T
 EPT = 2 if SIM else max(4, 2048 // TOPK_T)   # values per thread per sub-chunk (a sub-chunk is T * EPT ids)
-SORT_NA = 8 if SIM else 1024 // TOPK_T   # register slots per thread of the final sort: T * SORT_NA >= max(DIRECT, K)
+SORT_NA = 8 if SIM else 1024 // TOPK_T   # register slots per thread of the whole-row sort: T * SORT_NA >= K
+RPT = 16 if SIM else CAP // TOPK_T       # candidates per thread in bucket_rank (registers): RPT * T >= CAP
 TOPK_JIT = dict(KERNEL) if SIM else dict(KERNEL, launch_bounds=(TOPK_T, WAVE_BLOCKS))   # one wave
 sort_keys = pair_sort(SORT_NA, keyed=False)   # composite keys are distinct
 
@@ -221,46 +221,23 @@ def topk_stats(x, vocab, chunk, k, part_m, part_s, lse, hist, done, sel):
 
 
 @cuda.jit(**DEVICE)
-def radix_select(keys, n, k, row_x, row, ls, whole, bins, tmp, buf, shr):
-    """The k-th largest of n >= 2 distinct int64 keys (keys[:n] in shared memory, or -- whole=True -- the composite
-    keys of the whole row row_x[row, :n], recomputed per pass). Passes of 8 bits, most significant first, from the
-    first digit in which the keys differ (keys in shared memory: the candidates lie in one bin and a band, so their
-    top digits agree); it stops at the first pass whose chosen bin holds a single key (then one more scan finds
-    it). Normal logits: 2-4 passes of the 8 there were."""
+def radix_select(n, k, row_x, row, ls, bins, tmp, buf, shr):
+    """The k-th largest composite key of the whole row row_x[row, :n] (n >= 2 tokens; keys recomputed per pass).
+    Passes of 8 bits, most significant first; it stops at the first pass whose chosen bin holds a single key (then
+    one more scan finds it). Tie-heavy rows only: the candidates overflowed CAP or the histogram bin was unusable."""
     tid = cuda.threadIdx.x
     T = cuda.blockDim.x if SIM else TOPK_T
-    lane = tid % WARP
-    d0 = 0
     prefix = np.int64(0)        # the selected top digits of u = key ^ sign (unsigned order), 8 per pass
-    if not whole:
-        x0 = keys[0]
-        acc = np.int64(0)
-        for i in range(tid, n, T):
-            acc |= keys[i] ^ x0
-        off = 1
-        while off < WARP:
-            acc |= shfl_xor(acc, off, buf)
-            off *= 2
-        if tid == 0:
-            shr[0] = 0
-        cuda.syncthreads()
-        if lane == 0 and acc != 0:
-            cuda.atomic.or_(shr, 0, acc)
-        cuda.syncthreads()
-        acc = shr[0]                                 # nonzero: n >= 2 distinct keys
-        cuda.syncthreads()
-        d0, prefix = first_digit(acc, x0 ^ np.int64(NEG))
     kk = np.int64(k)
-    for d in range(d0, 8):
+    for d in range(8):
         shift = 56 - 8 * d
         high = np.int64(1) << (8 * d)
         for i in range(tid, RB, T):
             bins[i] = 0
         cuda.syncthreads()
         for i in range(tid, n, T):
-            key = composite(row_x[row, i], i, ls) if whole else keys[i]
-            u = key ^ np.int64(NEG)
-            if d == d0 or ((u >> (shift + 8)) & (high - 1)) == prefix:
+            u = composite(row_x[row, i], i, ls) ^ np.int64(NEG)
+            if d == 0 or ((u >> (shift + 8)) & (high - 1)) == prefix:
                 cuda.atomic.add(bins, (u >> shift) & 0xFF, 1)
         cuda.syncthreads()
         b, kk = find_bin(bins, RB, kk, tmp, buf, shr)
@@ -269,7 +246,7 @@ def radix_select(keys, n, k, row_x, row, ls, whole, bins, tmp, buf, shr):
         cuda.syncthreads()                           # every thread has read bins[b] before the next pass clears it
         if alone:                                    # the k-th key is the one key with these top 8 (d + 1) bits
             for i in range(tid, n, T):
-                key = composite(row_x[row, i], i, ls) if whole else keys[i]
+                key = composite(row_x[row, i], i, ls)
                 if ((key ^ np.int64(NEG)) >> shift) & ((high << 8) - 1) == prefix:
                     shr[0] = key
             cuda.syncthreads()
@@ -279,6 +256,100 @@ def radix_select(keys, n, k, row_x, row, ls, whole, bins, tmp, buf, shr):
     return prefix ^ np.int64(NEG)
 
 
+@cuda.jit(**DEVICE)
+def write_top(key, r, row, top_lp, top_id):
+    """Rank r of the row's top-K is the composite key `key`."""
+    top_id[row, r] = np.int64(LOW) - (key & np.int64(LOW))
+    top_lp[row, r] = key_value((key >> 32) + np.int64(0x80000000))
+
+
+@cuda.jit(**DEVICE)
+def bucket_rank(cand, row, n, k, grp, cnt, tmp, buf, shr, top_lp, top_id):
+    """Rank r < k of each of the row's n <= RPT * T distinct candidate keys (cand[row, :n], any order) written to
+    top_lp / top_id[row, r]; the rank of a key is the number of larger keys. A bucket sort by a monotone map of the
+    key: bucket(key) = (v(key) - v(kmin)) * (NBK - 1) / (v(kmax) - v(kmin)), v the key's fp32 log-prob (its low word,
+    LOW - id, when every candidate has one log-prob), in fp64 (each step monotone, so a larger key never lands in a
+    lower bucket). A key's rank is then the keys of the higher buckets plus the larger keys of its own bucket, which
+    it counts by a scan of that bucket (the candidates spread over a log-prob range, a few keys a bucket; equal
+    log-probs share a bucket, so a tie of c candidates costs c steps for each of them). grp: shared int64 [>= n];
+    cnt: shared int32 [NBK]. Every thread calls it; about eight barriers, no sort network."""
+    tid = cuda.threadIdx.x
+    T = cuda.blockDim.x if SIM else TOPK_T
+    lane = tid % WARP
+    mine = cuda.local.array(RPT, np.int64)
+    bk = cuda.local.array(RPT, np.int32)
+    slot = cuda.local.array(RPT, np.int32)
+    kmin = np.int64(-NEG - 1)
+    kmax = np.int64(NEG)
+    for a in range(RPT):
+        i = tid + a * T
+        key = cand[row, i] if i < n else np.int64(NEG)
+        mine[a] = key
+        if i < n:
+            kmin = min(kmin, key)
+            kmax = max(kmax, key)
+    off = 1
+    while off < WARP:
+        kmin = min(kmin, shfl_xor(kmin, off, buf))
+        kmax = max(kmax, shfl_xor(kmax, off, buf))
+        off *= 2
+    if tid == 0:
+        shr[0] = -NEG - 1
+        shr[1] = NEG
+    for b in range(tid, NBK, T):
+        cnt[b] = 0
+    cuda.syncthreads()
+    if lane == 0:
+        cuda.atomic.min(shr, 0, kmin)
+        cuda.atomic.max(shr, 1, kmax)
+    cuda.syncthreads()
+    kmin = shr[0]
+    kmax = shr[1]
+    by_id = (kmin >> 32) == (kmax >> 32)             # one log-prob: the low words (LOW - id) order the keys
+    if by_id:
+        base = np.float64(kmin & np.int64(LOW))
+        span = np.float64(kmax & np.int64(LOW)) - base
+    else:
+        base = np.float64(key_value((kmin >> 32) + np.int64(0x80000000)))
+        span = np.float64(key_value((kmax >> 32) + np.int64(0x80000000))) - base
+    scale = (NBK - 1) / span if span > 0.0 else 0.0
+    for a in range(RPT):
+        if tid + a * T < n:
+            key = mine[a]
+            v = np.float64(key & np.int64(LOW)) if by_id else np.float64(key_value((key >> 32) + np.int64(0x80000000)))
+            b = min(np.int32((v - base) * scale), np.int32(NBK - 1))
+            bk[a] = b
+            slot[a] = cuda.atomic.add(cnt, b, 1)
+    cuda.syncthreads()
+    # cnt[b] := keys in buckets above b (a scan in descending bucket order, each thread a run of NBK / T buckets)
+    per = NBK // T
+    local = np.int64(0)
+    for q in range(tid * per, (tid + 1) * per):
+        local += cnt[NBK - 1 - q]
+    before, _ = block_scan(local, tmp, buf)
+    for q in range(tid * per, (tid + 1) * per):
+        c = cnt[NBK - 1 - q]
+        cnt[NBK - 1 - q] = np.int32(before)
+        before += c
+    cuda.syncthreads()
+    for a in range(RPT):
+        if tid + a * T < n:
+            grp[cnt[bk[a]] + slot[a]] = mine[a]
+    cuda.syncthreads()
+    for a in range(RPT):
+        if tid + a * T < n:
+            key = mine[a]
+            b = bk[a]
+            r = np.int64(cnt[b])
+            end = np.int64(cnt[b - 1]) if b > 0 else n
+            for j in range(r, end):
+                if grp[j] > key:
+                    r += 1
+            if r < k:
+                write_top(key, r, row, top_lp, top_id)
+    cuda.syncthreads()
+
+
 @cuda.jit(**TOPK_JIT)
 def topk_filter(x, vocab, chunk, k, lse, sel, counters, cand, top_lp, top_id):
     p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
@@ -286,6 +357,7 @@ def topk_filter(x, vocab, chunk, k, lse, sel, counters, cand, top_lp, top_id):
     lane = tid % WARP
     nparts = cuda.gridDim.x
     keys = cuda.shared.array(CAP, np.int64)
+    cnt = cuda.shared.array(NBK, np.int32)
     comp = cuda.shared.array(1, np.int32)                   # the sort's companions: unused (keyed=False)
     bins = cuda.shared.array(RB, np.int32)
     tmp = cuda.shared.array(32, np.int64)
@@ -339,41 +411,21 @@ def topk_filter(x, vocab, chunk, k, lse, sel, counters, cand, top_lp, top_id):
         return
     cuda.threadfence()
     n = np.int64(counters[row, 0])
-    whole = whole or n > CAP
-    if whole:
-        n = np.int64(vocab)
-    else:
-        for i in range(tid, n, T):
-            keys[i] = cand[row, i]
-    cuda.syncthreads()
-    if whole or n > DIRECT:
-        thr = radix_select(keys, n, k, x, row, ls, whole, bins, tmp, buf, shr)
-        # compact the k keys >= thr (distinct keys: exactly k) to the front, in any order, then sort them
-        if whole:
-            if tid == 0:
-                shr[0] = 0
-            cuda.syncthreads()
-            for i in range(tid, n, T):
-                key = composite(x[row, i], i, ls)
-                if key >= thr:
-                    keys[cuda.atomic.add(shr, 0, 1)] = key
-        else:
-            front = np.int64(0)
-            for c in range(0, n, T):             # in place: every read of a chunk precedes (scan barrier) its writes
-                i = c + tid
-                key = keys[i] if i < n else np.int64(NEG)
-                take = 1 if i < n and key >= thr else 0
-                ex, tot = block_scan(take, tmp, buf)
-                if take == 1:
-                    keys[front + ex] = key
-                front += tot
+    if whole or n > CAP or n > RPT * T:
+        thr = radix_select(vocab, k, x, row, ls, bins, tmp, buf, shr)
+        if tid == 0:                                 # the k keys >= thr (distinct keys: exactly k), in any order
+            shr[0] = 0
         cuda.syncthreads()
-        n = np.int64(k)
-    sort_keys(keys, comp, n, NEG, buf)
-    for r in range(tid, k, T):
-        key = keys[r]
-        top_id[row, r] = np.int64(LOW) - (key & np.int64(LOW))
-        top_lp[row, r] = key_value((key >> 32) + np.int64(0x80000000))
+        for i in range(tid, vocab, T):
+            key = composite(x[row, i], i, ls)
+            if key >= thr:
+                keys[cuda.atomic.add(shr, 0, 1)] = key
+        cuda.syncthreads()
+        sort_keys(keys, comp, k, NEG, buf)
+        for r in range(tid, k, T):
+            write_top(keys[r], r, row, top_lp, top_id)
+    else:
+        bucket_rank(cand, row, n, k, keys, cnt, tmp, buf, shr, top_lp, top_id)
     if tid == 0:
         counters[row, 0] = 0
         counters[row, 1] = 0
