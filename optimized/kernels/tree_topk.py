@@ -211,13 +211,15 @@ def topk_stats(x, vocab, chunk, k, part_m, part_s, lse, hist, done, sel):
     if tid == 0:
         lse[row] = bm + math.log(bs)
         done[row] = 0
-    b, kr = find_bin(hist[row], NB, k, tmp, buf, shr)
-    if tid == 0:
-        sel[row, 0] = b
-        sel[row, 1] = k - kr + hist[row, b]      # tokens in bins >= b
-    cuda.syncthreads()
+    for i in range(tid, NB, T):                 # the row's histogram into shared memory, every load in flight at
+        sh[i] = hist[row, i]                    # once (find_bin's runs over global memory waited on each load)
     for i in range(tid, NB, T):                 # clean for the next call
         hist[row, i] = 0
+    cuda.syncthreads()
+    b, kr = find_bin(sh, NB, k, tmp, buf, shr)
+    if tid == 0:
+        sel[row, 0] = b
+        sel[row, 1] = k - kr + sh[b]            # tokens in bins >= b
 
 
 @cuda.jit(**DEVICE)
