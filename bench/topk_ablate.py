@@ -46,11 +46,11 @@ PATCHES = {
     "s_notail": [("    if flag[0] == 0:\n        return\n",
                   "    if flag[0] == 0:\n        return\n    if tid == 0:\n        done[row] = 0\n    return\n")],
     "f_empty": [(_FILTER_ENTRY, _FILTER_ENTRY + "    if row >= 0:\n        return\n")],
-    "f_notail": [("    if shr[0] == 0:\n        return\n    cuda.threadfence()\n",
+    "f_notail": [("    if shr[0] == 0:\n        return\n    n = np.int64(counters[row, 0])\n",
                   "    if shr[0] == 0:\n        return\n    if tid == 0:\n        counters[row, 0] = 0\n"
-                  "        counters[row, 1] = 0\n    return\n    cuda.threadfence()\n")],
-    "f_nofence": [("    cuda.threadfence()\n    cuda.syncthreads()\n    if tid == 0:\n        shr[0] = 1 if cuda.atomic.add(counters",
-                   "    cuda.syncthreads()\n    if tid == 0:\n        shr[0] = 1 if cuda.atomic.add(counters")],
+                  "        counters[row, 1] = 0\n    return\n    n = np.int64(counters[row, 0])\n")],
+    "f_nofence": [("    cuda.threadfence()\n    cuda.syncthreads()\n    if tid == 0:\n        last = cuda.atomic.add(counters",
+                   "    cuda.syncthreads()\n    if tid == 0:\n        last = cuda.atomic.add(counters")],
 }
 
 

@@ -99,9 +99,10 @@ def composite(x, i, ls):
 @cuda.jit(**DEVICE)
 def block_max_sum(m, s, wm, ws, fbuf):
     """(M, S) on every thread: M = the block's largest m, S = the sum of s * exp(m - M) over the threads (0 where m
-    is -inf). The same bits on every run: a fixed summation order (warp butterflies, whose partners add the same two
-    values, then the warps in order), so the result does not depend on timing. wm, ws: shared float64[WARP];
-    fbuf: the simulator twins' float64 scratch. Every thread calls it."""
+    is -inf). The same bits on every run and on every thread: a fixed summation order (a warp butterfly, whose
+    partners add the same two values, then a butterfly of the warp sums that every warp runs itself, where a serial
+    loop over them took ~1 us), so the result does not depend on timing. wm, ws: shared float64[WARP]; fbuf: the
+    simulator twins' float64 scratch. Every thread calls it."""
     tid = cuda.threadIdx.x
     T = cuda.blockDim.x if SIM else TOPK_T
     lane = tid % WARP
@@ -114,9 +115,11 @@ def block_max_sum(m, s, wm, ws, fbuf):
     if lane == 0:
         wm[warp] = x
     cuda.syncthreads()
-    mm = wm[0]
-    for w in range(1, T // WARP):
-        mm = max(mm, wm[w])
+    mm = wm[lane] if lane < T // WARP else -math.inf
+    off = 1
+    while off < WARP:
+        mm = max(mm, shfl_xor(mm, off, fbuf))
+        off *= 2
     v = s * math.exp(m - mm) if m > -math.inf else 0.0
     off = 1
     while off < WARP:
@@ -125,9 +128,11 @@ def block_max_sum(m, s, wm, ws, fbuf):
     if lane == 0:
         ws[warp] = v
     cuda.syncthreads()
-    total = 0.0
-    for w in range(T // WARP):
-        total += ws[w]
+    total = ws[lane] if lane < T // WARP else 0.0
+    off = 1
+    while off < WARP:
+        total += shfl_xor(total, off, fbuf)
+        off *= 2
     cuda.syncthreads()                           # wm, ws free again
     return mm, total
 
@@ -192,13 +197,15 @@ def topk_stats(x, vocab, chunk, k, part_m, part_s, lse, hist, done, sel):
         part_m[row, p] = bm
         part_s[row, p] = bs
         cuda.threadfence()
-        flag[0] = 1 if cuda.atomic.add(done, row, 1) == nparts - 1 else 0
+        last = cuda.atomic.add(done, row, 1) == nparts - 1
+        if last:
+            cuda.threadfence()                   # the reader's side: one thread, then the barrier
+        flag[0] = 1 if last else 0
     cuda.syncthreads()
     if flag[0] == 0:
         return
     # Last block of the row: lse over the chunks, each thread folding its slots in order, then block_max_sum (the
     # bits do not depend on which block came last)
-    cuda.threadfence()
     m = -math.inf
     s = 0.0
     for q in range(tid, nparts, T):
@@ -365,8 +372,12 @@ def topk_filter(x, vocab, chunk, k, lse, sel, counters, cand, top_lp, top_id):
     tmp = cuda.shared.array(32, np.int64)
     buf = cuda.shared.array(TBUF, np.int64)
     shr = cuda.shared.array(2, np.int64)
+    nb = cuda.shared.array(1, np.int32)                     # the block's candidates so far
     vals = cuda.local.array(EPT, np.float32)
     nxt = cuda.local.array(EPT, np.float32)
+    if tid == 0:
+        nb[0] = 0
+    cuda.syncthreads()
     ls = lse[row]
     lo_x = key_value(sel[row, 0] << SHIFT0)                     # smallest value of bin b
     lo_lp = grid_log_prob(lo_x, ls)
@@ -388,30 +399,41 @@ def topk_filter(x, vocab, chunk, k, lse, sel, counters, cand, top_lp, top_id):
             if T * EPT < lim:
                 load_values(xr, base + T * EPT, lim - T * EPT, nxt)
             for j in range(EPT):
-                # one atomic per warp and value slot: lane `lead` reserves the warp's candidates, each takes its
-                # rank among them (same-address atomics per candidate serialize at K = 1024: ~1-2k per row)
-                # (bal is warp-uniform: a warp without candidates, nearly all of them, skips the rest; the
-                # simulator's twins need every thread, so there it never skips)
+                # the block's candidates go to shared memory first (keys): one shared atomic per warp and value
+                # slot, lane `lead` reserving the warp's candidates, each taking its rank among them. (A global
+                # atomic per warp waited ~1 us for its reply under the row's contention: 7-13 us at K = 256-1024,
+                # bench/topk_ablate.py.) bal is warp-uniform: a warp without candidates, nearly all of them, skips
+                # the rest; the simulator's twins need every thread, so there it never skips.
                 take = vals[j] >= cut32                  # padding is -inf, cut32 is finite
                 bal = ballot(take, buf)
                 if SIM or bal != 0:
                     lead = cuda.popc(bal ^ (bal - 1)) - 1 if bal != 0 else 0
                     got = 0
                     if bal != 0 and lane == lead:
-                        got = cuda.atomic.add(counters, (row, 0), cuda.popc(bal))
+                        got = cuda.atomic.add(nb, 0, cuda.popc(bal))
                     got = shfl_idx(got, lead, buf)
                     if take:
                         slot = got + cuda.popc(bal & ((np.int64(1) << lane) - 1))
                         if slot < CAP:
-                            cand[row, slot] = composite(vals[j], base + j * T + tid, ls)
+                            keys[slot] = composite(vals[j], base + j * T + tid, ls)
+    cuda.syncthreads()
+    m = nb[0]                                    # more than CAP: the row's count overflows too (the whole-row path)
+    if tid == 0:
+        shr[0] = cuda.atomic.add(counters, (row, 0), m) if m > 0 else 0
+    cuda.syncthreads()
+    front = shr[0]
+    for i in range(tid, min(m, CAP - front), T):
+        cand[row, front + i] = keys[i]
     cuda.threadfence()
     cuda.syncthreads()
     if tid == 0:
-        shr[0] = 1 if cuda.atomic.add(counters, (row, 1), 1) == nparts - 1 else 0
+        last = cuda.atomic.add(counters, (row, 1), 1) == nparts - 1
+        if last:
+            cuda.threadfence()                   # the reader's side: one thread, then the barrier
+        shr[0] = 1 if last else 0
     cuda.syncthreads()
     if shr[0] == 0:
         return
-    cuda.threadfence()
     n = np.int64(counters[row, 0])
     if whole or n > CAP or n > RPT * T:
         thr = radix_select(vocab, k, x, row, ls, bins, tmp, buf, shr)
