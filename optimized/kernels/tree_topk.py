@@ -12,7 +12,8 @@ Two launches:
     topk_filter   per chunk: every token with x >= lo(b) - band is a candidate (band: a few fp32 ulps of |x - lse|
                   plus the 2^-28 grid, so every token whose grid log-prob can equal the K-th largest one is in);
                   its composite key (sortable(lp) - 2^31) << 32 | (2^32 - 1 - id) -- larger is better, unique -- goes
-                  to the row's candidate list. The last block of the row ranks its (at most CAP) candidates by
+                  to the block's list in shared memory, then (one global atomic a block reserves the slots) to the
+                  row's candidate list. The last block of the row ranks its (at most CAP) candidates by
                   a bucket sort (bucket_rank: buckets by a monotone map of the log-prob, then a count of the larger
                   keys in the key's own bucket; a few barriers, no sort network) and writes lp and ids of ranks < K.
                   When the candidates overflow CAP (tie-heavy rows: equal, integer, collapsing logits) or lo(b) is
