@@ -449,7 +449,8 @@ def topk_filter(x, vocab, chunk, k, lse, sel, counters, cand, top_lp, top_id):
         sort_keys(keys, comp, k, NEG, buf)
         for r in range(tid, k, T):
             write_top(keys[r], r, row, top_lp, top_id)
-    else:
+    else:   # (bucket_rank's thread 0 overwrites shr[0], the flag, with a nonzero value while others may still read
+            # it: harmless, as every thread that reaches this point read or will read a nonzero flag)
         bucket_rank(cand, row, n, k, keys, cnt, tmp, buf, shr, top_lp, top_id)
     if tid == 0:
         counters[row, 0] = 0
