@@ -27,7 +27,7 @@ sys.path[:0] = [HERE, os.path.join(HERE, ".."), os.path.join(HERE, "..", "confor
 from conftest import graph_us, print_table, save_rows  # noqa: E402
 from optimized import tree_numba as opt  # noqa: E402
 from test_tree_numba import logits  # noqa: E402
-from reference import tree as ref  # noqa: E402
+from topk_probe import topk_exact, topk_launches  # noqa: E402
 
 SRC = os.path.join(HERE, "..", "optimized", "kernels", "tree_topk.py")
 CASES = [("normal", 7, 16), ("normal", 15, 16), ("normal", 15, 256), ("normal", 15, 1024)]
@@ -79,26 +79,13 @@ def main() -> None:
     rows = []
     for kind, depth, budget in CASES:
         x = logits(kind, depth, 163_840, 7 * depth + budget, device="cuda")
-        cfg = opt.DEFAULT_CONFIG
         k = min(budget, x.shape[1])
-        ws = opt._workspace(x.device, depth, x.shape[1], k, budget, cfg)
-        xa, a, grid, tpb = opt._arr(x), ws.a, (ws.parts, depth), cfg.topk_threads
-        s = lambda: opt._stream(x.device)   # noqa: E731  (the current stream when called: graph capture sees it)
-
-        def stats(m=opt):
-            m.topk_stats[grid, tpb, s()](xa, x.shape[1], ws.chunk, k, a["part_m"], a["part_s"], a["lse"], a["hist"],
-                                         a["done"], a["sel"])
-
-        def filt(m=opt):
-            m.topk_filter[grid, tpb, s()](xa, x.shape[1], ws.chunk, k, a["lse"], a["sel"], a["counters"], a["cand"],
-                                          a["top_lp"], a["top_id"])
-
+        ws, stats, filt = topk_launches(x, budget)
         stats()
         filt()
-        torch.cuda.synchronize()
-        want_lp, want_id = ref.ranked_candidates(x.cpu(), k)
-        exact = bool(torch.equal(ws.top_id.cpu(), want_id) and torch.equal(ws.top_lp.cpu(), want_lp))
-        row = dict(kind=kind, L=depth, budget=budget, parts=ws.parts, chunk=ws.chunk, threads=tpb, exact=exact,
+        exact = topk_exact(ws, x, k)
+        row = dict(kind=kind, L=depth, budget=budget, parts=ws.parts, chunk=ws.chunk,
+                   threads=opt.DEFAULT_CONFIG.topk_threads, exact=exact,
                    stats=round(graph_us(stats), 2), filter=round(graph_us(filt), 2),
                    topk=round(graph_us(lambda: (stats(), filt())), 2))
         for name, mod in mods.items():

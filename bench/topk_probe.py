@@ -21,6 +21,33 @@ from reference import tree as ref  # noqa: E402
 CASES = [("normal", 7, 16), ("normal", 15, 16), ("normal", 15, 256), ("draftlike", 15, 256), ("normal", 15, 1024)]
 
 
+def topk_launches(x: torch.Tensor, budget: int):
+    """(ws, stats, filt): the two top-K launches of tree_numba._topk_stage on the logits x, each a closure that takes
+    the kernels' module (default: the served tree_topk) and launches on the current stream when called (so graph
+    capture sees it)."""
+    cfg = opt.DEFAULT_CONFIG
+    depth, vocab = x.shape
+    k = min(budget, vocab)
+    ws = opt._workspace(x.device, depth, vocab, k, budget, cfg)
+    xa, a, grid, tpb = opt._arr(x), ws.a, (ws.parts, depth), cfg.topk_threads
+
+    def stats(m=opt):
+        m.topk_stats[grid, tpb, opt._stream(x.device)](xa, vocab, ws.chunk, k, a["part_m"], a["part_s"], a["lse"],
+                                                       a["hist"], a["done"], a["sel"])
+
+    def filt(m=opt):
+        m.topk_filter[grid, tpb, opt._stream(x.device)](xa, vocab, ws.chunk, k, a["lse"], a["sel"], a["counters"],
+                                                        a["cand"], a["top_lp"], a["top_id"])
+    return ws, stats, filt
+
+
+def topk_exact(ws, x: torch.Tensor, k: int) -> bool:
+    """The workspace's candidates equal reference.tree.ranked_candidates (after a synchronize)."""
+    torch.cuda.synchronize()
+    want_lp, want_id = ref.ranked_candidates(x.cpu(), k)
+    return bool(torch.equal(ws.top_id.cpu(), want_id) and torch.equal(ws.top_lp.cpu(), want_lp))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -31,19 +58,8 @@ def main() -> None:
         cfg = opt.DEFAULT_CONFIG
         k = min(budget, x.shape[1])
         tree = opt.build_tree(x, budget)
-        ws = opt._workspace(x.device, depth, x.shape[1], k, budget, cfg)
-        xa = opt._arr(x)
-        a = ws.a
-        grid = (ws.parts, depth)
+        ws, stats, filt = topk_launches(x, budget)
         s = lambda: opt._stream(x.device)   # noqa: E731  (the current stream when called: graph capture sees it)
-
-        def stats():
-            opt.topk_stats[grid, cfg.topk_threads, s()](xa, x.shape[1], ws.chunk, k, a["part_m"], a["part_s"],
-                                                        a["lse"], a["hist"], a["done"], a["sel"])
-
-        def filt():
-            opt.topk_filter[grid, cfg.topk_threads, s()](xa, x.shape[1], ws.chunk, k, a["lse"], a["sel"],
-                                                         a["counters"], a["cand"], a["top_lp"], a["top_id"])
 
         outs = [torch.empty(budget, dtype=t, device="cuda") for t in (torch.long,) * 3 + (torch.float64,)]
         fns = {
@@ -58,9 +74,7 @@ def main() -> None:
         }
         stats()
         filt()
-        torch.cuda.synchronize()
-        want_lp, want_id = ref.ranked_candidates(x.cpu(), k)
-        same = bool(torch.equal(ws.top_id.cpu(), want_id) and torch.equal(ws.top_lp.cpu(), want_lp))
+        same = topk_exact(ws, x, k)
         row = dict(kind=kind, L=depth, budget=budget, same_as_reference=same, threads=opt.TOPK_T, parts=ws.parts,
                    chunk=ws.chunk, depth_max=int(tree.depths.max()))
         for name, fn in fns.items():
