@@ -267,10 +267,16 @@ def radix_select(n, k, row_x, row, ls, bins, tmp, buf, shr):
 
 
 @cuda.jit(**DEVICE)
+def key_lp(key):
+    """The fp32 log-prob of a composite key (its high word; the inverse of composite's)."""
+    return key_value((key >> 32) + np.int64(0x80000000))
+
+
+@cuda.jit(**DEVICE)
 def write_top(key, r, row, top_lp, top_id):
     """Rank r of the row's top-K is the composite key `key`."""
     top_id[row, r] = np.int64(LOW) - (key & np.int64(LOW))
-    top_lp[row, r] = key_value((key >> 32) + np.int64(0x80000000))
+    top_lp[row, r] = key_lp(key)
 
 
 @cuda.jit(**DEVICE)
@@ -320,13 +326,13 @@ def bucket_rank(cand, row, n, k, grp, cnt, tmp, buf, shr, top_lp, top_id):
         base = np.float64(kmin & np.int64(LOW))
         span = np.float64(kmax & np.int64(LOW)) - base
     else:
-        base = np.float64(key_value((kmin >> 32) + np.int64(0x80000000)))
-        span = np.float64(key_value((kmax >> 32) + np.int64(0x80000000))) - base
+        base = np.float64(key_lp(kmin))
+        span = np.float64(key_lp(kmax)) - base
     scale = (NBK - 1) / span if span > 0.0 else 0.0
     for a in range(RPT):
         if tid + a * T < n:
             key = mine[a]
-            v = np.float64(key & np.int64(LOW)) if by_id else np.float64(key_value((key >> 32) + np.int64(0x80000000)))
+            v = np.float64(key & np.int64(LOW)) if by_id else np.float64(key_lp(key))
             b = min(np.int32((v - base) * scale), np.int32(NBK - 1))
             bk[a] = b
             slot[a] = cuda.atomic.add(cnt, b, 1)
