@@ -7,6 +7,8 @@ probability ~0.6..0.995: deep trees, the beam runs every depth).
 Times (CUDA events, warm-up, median of 100; extra_info, microseconds):
   eager_us   launches as a synchronous caller issues them (Numba's per-launch CPU cost included)
   topk_device_us, beam_device_us, compile_device_us: the stages alone (device execution); beam: tree_beam's
+             (Config.shallow off); beam_default_device_us: the default config's beam stage (the two-level
+             selection, tree_shallow.py, where the tree is at most 2 deep; default_same_tree: the same tree)
   beam_list_device_us, device_list_us: the warp-list beam (tree_list.py, Config.list_max) alone, and the whole
              path with it, at budgets up to LIST_BMAX (list_same_tree: it built the same tree)
   device_us  the default path (DEFAULT_CONFIG: the list beam up to budget LIST_DEFAULT), device execution only:
@@ -46,20 +48,22 @@ def _write_summary(info: dict) -> None:
         json.dump({"provenance": info, "results": ROWS}, f, indent=1)
     lines = [f"# Tree path on {info.get('gpu', '?')} ({day}, commit {info.get('commit', '?')})", "",
              "V = 163,840; draft logits on the device -> compiled tree on the device. Microseconds (median).",
-             f"`device`: the default path (the warp-list beam up to budget {LIST_DEFAULT}, tree_beam above); `beam`: "
-             "tree_beam alone; `beam (list)` and `device (list)`: the warp-list beam alone and the whole path with it "
+             f"`device`: the default path (the two-level selection where the tree is at most 2 deep, else the "
+             f"warp-list beam up to budget {LIST_DEFAULT}, tree_beam above); `beam (default)`: its beam stage alone; "
+             "`beam`: tree_beam alone; `beam (list)` and `device (list)`: the warp-list beam alone and the whole path with it "
              "(budgets <= 256); `beam (thr)` and `device (thr)`: the threshold beam alone and the whole path with it "
              "(budgets <= 512; rounds: its enumerations).",
-             "", "| logits | L | budget | tree depth | device | top-K | beam | compile | beam (list) | device (list) "
-             "| beam (thr) | device (thr) | rounds | eager | graph | reference | ratio (device) | goal |",
-             "| --- " * 18 + "|"]
+             "", "| logits | L | budget | tree depth | device | top-K | beam (default) | beam | compile | beam (list) "
+             "| device (list) | beam (thr) | device (thr) | rounds | eager | graph | reference | ratio (device) | goal |",
+             "| --- " * 19 + "|"]
     us = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     for r in ROWS:
         graph = f"{r['graph_us']:.1f}" if r["graph_us"] is not None else "failed"
         same = "" if r["list_same_tree"] in (None, True) else " (DIFFERENT TREE)"
         tsame = "" if r["thresh_same_tree"] in (None, True) else " (DIFFERENT TREE)"
+        dsame = "" if r["default_same_tree"] else " (DIFFERENT TREE)"
         lines.append(f"| {r['kind']} | {r['depth']} | {r['budget']} | {r['tree_depth']} | {r['device_us']:.1f} | {r['topk_device_us']:.1f} | "
-                     f"{r['beam_device_us']:.1f} | {r['compile_device_us']:.1f} | {us(r['beam_list_device_us'])}{same} | "
+                     f"{r['beam_default_device_us']:.1f}{dsame} | {r['beam_device_us']:.1f} | {r['compile_device_us']:.1f} | {us(r['beam_list_device_us'])}{same} | "
                      f"{us(r['device_list_us'])} | {us(r['beam_thresh_device_us'])}{tsame} | {us(r['device_thresh_us'])} | "
                      f"{r['thresh_rounds'] if r['thresh_rounds'] is not None else '-'} | {r['eager_us']:.1f} | {graph} | "
                      f"{r['reference_us']:.0f} | {r['ratio_device']:.0f}x | {r['goal_us']} |")
@@ -87,13 +91,15 @@ def test_tree_device_path(benchmark, provenance, depth, budget, kind):
     ws = opt._workspace(x.device, depth, VOCAB, k, budget, cfg)
     outs = [torch.empty(budget, dtype=dt, device="cuda") for dt in (torch.long,) * 3 + (torch.float64,)]
     topk = event_median(lambda: opt._topk_stage(xa, VOCAB, k, ws, cfg, s), ahead=True)
-    bcfg = dataclasses.replace(cfg, list_max=0)  # tree_beam alone (the default takes the list beam up to LIST_DEFAULT)
+    beam_default = event_median(lambda: opt._beam_stage(k, budget, ws, cfg, s, *outs), ahead=True)
+    bcfg = dataclasses.replace(cfg, list_max=0, shallow=False)  # tree_beam alone
     beam = event_median(lambda: opt._beam_stage(k, budget, ws, bcfg, s, *outs), ahead=True)
     tree = opt.build_tree(x, budget, config=bcfg)
+    default_same = same_tree(opt.build_tree(x, budget), tree)
     compile_ = event_median(lambda: opt.compile_tree(tree, 0, 1000), ahead=True)
     list_beam = list_device = list_same = None
     if budget <= opt.LIST_BMAX:                  # the warp-list beam on the same top-K, and the path with it
-        lcfg = dataclasses.replace(cfg, list_max=opt.LIST_BMAX)
+        lcfg = dataclasses.replace(cfg, list_max=opt.LIST_BMAX, shallow=False)
         list_beam = event_median(lambda: opt._beam_stage(k, budget, ws, lcfg, s, *outs), ahead=True)
         list_device = event_median(device_path(opt, x, budget, config=lcfg), ahead=True)
         lt = opt.build_tree(x, budget, config=lcfg)
@@ -121,6 +127,7 @@ def test_tree_device_path(benchmark, provenance, depth, budget, kind):
     benchmark.pedantic(run, rounds=30, warmup_rounds=3)
     row = dict(kind=kind, depth=depth, budget=budget, vocab=VOCAB, tree_depth=int(tree.depths.max()), eager_us=eager * 1e6, device_us=device * 1e6,
                build_device_us=build_only * 1e6, topk_device_us=topk * 1e6, beam_device_us=beam * 1e6,
+               beam_default_device_us=beam_default * 1e6, default_same_tree=default_same,
                compile_device_us=compile_ * 1e6,
                beam_list_device_us=None if list_beam is None else list_beam * 1e6,
                device_list_us=None if list_device is None else list_device * 1e6, list_same_tree=list_same,

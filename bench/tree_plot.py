@@ -1,6 +1,7 @@
 """Plot a tree bench result (bench/test_bench_tree.py's tree_<date>.json): the whole path's device time against the
-budget with the goal, and the beams alone (tree_beam, one depth per step; the warp-list beam, one node per step; the
-threshold beam, one enumeration level per step).
+budget with the goal, and the beams alone (the default config's beam stage, with the two-level selection on trees at
+most 2 deep; tree_beam, one depth per step; the warp-list beam, one node per step; the threshold beam, one enumeration
+level per step).
 
     python bench/tree_plot.py bench/results/tree_run12/tree_2026-12-06.json [out.png]   (default: beside the JSON)
 """
@@ -37,6 +38,10 @@ def plot(path: str, out: str | None = None) -> str:
         if lb:
             ax[1].plot(*zip(*lb), color=color, ls=ls, marker="s", mfc="white", alpha=0.8,
                        label=f"list beam, {kind}, L = {depth}")
+        db = [(r["budget"], r["beam_default_device_us"]) for r in rs if r.get("beam_default_device_us") is not None]
+        if db:
+            ax[1].plot(*zip(*db), color=color, ls=ls, marker="D", ms=4, lw=2.2, alpha=0.6,
+                       label=f"default beam stage, {kind}, L = {depth}")
         tb = [(r["budget"], r["beam_thresh_device_us"]) for r in rs if r.get("beam_thresh_device_us") is not None]
         if tb:
             ax[1].plot(*zip(*tb), color=color, ls=ls, marker="^", alpha=0.8,

@@ -211,6 +211,7 @@ import numba.cuda.dispatcher as D
 D.get_current_device = lambda: _t.SimpleNamespace(compute_capability=(9, 0))   # no GPU needed to compile
 from numba import cuda, types
 from optimized.kernels import tree_beam as B, tree_list as Lst, tree_thresh as Th, tree_topk as K, tree_verify as V
+from optimized.kernels import tree_shallow as Sh
 A = lambda dt, nd: types.Array(dt, nd, "C")
 i64, f32, f64, i32, i16 = types.int64, types.float32, types.float64, types.int32, types.int16
 kernels = {
@@ -231,6 +232,9 @@ for budget in (16, 32, 64, 128, 256, 512, 1024):       # every beam variant the 
 for budget in (64, 128, 256):                          # every warp-list variant: 1, 2, 4 register rows
     kernels[f"beam_list_B{budget}"] = (Lst.list_for(budget)[0], beam_sig)
 kernels["beam_auto"] = (Lst.auto_for(32)[0], beam_sig)
+kernels["beam_auto_no_two_level"] = (Lst.auto_for(32, False)[0], beam_sig)
+for budget in (32, 64, 128, 256):                      # every two-level variant (tree_shallow.shallow_for)
+    kernels[f"beam_shallow_B{budget}"] = (Sh.shallow_for(budget, 1024)[0], beam_sig)
 for budget in (32, 64, 128, 256, 512):                 # every threshold-beam variant (32 to 512 threads)
     kernels[f"beam_thresh_B{budget}"] = (Th.thresh_for(budget, 1024)[0],
                                          beam_sig + (A(i32, 2), A(i32, 1)))
@@ -257,7 +261,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
         pytest.skip("no NVVM/NVRTC to compile with (install the CUDA toolkit or nvidia-cuda-nvrtc): "
                     + out.strip().splitlines()[-1][:200])
     assert proc.returncode == 0, out[-3000:]
-    assert out.count(" ok ") == 21, out
+    assert out.count(" ok ") == 26, out
 
 
 @pytest.mark.parametrize("value, ok", [("1024", True), ("256", True), ("300", False), ("2048", False)])
@@ -554,6 +558,57 @@ def probe(top_lp, k, budget, out):
     assert set(built) == {True, False}, built
 
 
+@sim_only
+@pytest.mark.parametrize("kind", ["normal", "draftlike", "integer", "equal", "peaked", "collapse", "masked"])
+def test_sim_two_level_decides_exactly(sim, kind):
+    """tree_shallow.two_level takes a tree exactly when the reference tree is at most 2 deep (its count of the
+    prefixes before (0, 0, 0) is exact on every kind; "masked" rows spread past the key's 2^42 span, so there it may
+    decline), and then writes the reference tree node for node; when it declines it writes nothing. Budgets 1-64
+    in blocks of 4-16 threads (several ranks a thread), depths 1-4, vocabularies from 1 to 40; rows whose lp 0
+    makes (0) or (0, 0) tie s3 (peaked rows; a peaked third row under normal ones)."""
+    import numpy as np
+    from optimized.kernels import tree_shallow
+    from optimized.kernels.tree_device import WARP
+    src = """
+def probe(top_lp, top_id, k, budget, tok, dep, par, score, n, took):
+    v = two_level(top_lp, top_id, k, budget, tok, dep, par, score, n)
+    if cuda.threadIdx.x == 0:
+        took[0] = 1 if v else 0
+"""
+    seen = set()
+    cases = [(1, 9, 7, 4), (2, 3, 16, 4), (2, 9, 64, 16), (3, 9, 16, 8), (3, 40, 64, 16), (4, 9, 33, 16),
+             (3, 1, 5, 4), (4, 40, 16, 4), (3, 9, 1, 4), (3, 9, 2, 4)]
+    if kind == "normal":        # the third row peaked (lp 0 at rank 0): (0, 0) ties s3 and may be taken or not
+        cases += [(-3, 9, b, 4) for b in range(1, 13)]
+    for i, (depth, vocab, budget, threads) in enumerate(cases):
+        cap = WARP
+        while cap < budget:
+            cap *= 2
+        probe = sim_kernel(src, "probe", two_level=tree_shallow.two_level_for(threads, max(1, cap // threads)))
+        x = logits(kind, abs(depth), vocab, i)
+        if depth < 0:
+            x = logits(kind, 3, vocab, 0)
+            x[2] = logits("peaked", 1, vocab, 0)[0]
+            depth = 3
+        want = ref.build_tree(x, budget)
+        top_lp, top_id = ref.ranked_candidates(x, budget)
+        outs = [np.full(budget, -7, np.int64), np.full(budget, -7, np.int64), np.full(budget, -7, np.int64),
+                np.full(budget, -7.0, np.float64), np.full(1, -7, np.int64), np.zeros(1, np.int64)]
+        probe[1, threads](top_lp.numpy(), top_id.numpy(), top_lp.shape[1], budget, *outs)
+        shallow = int(want.depths.max()) <= 2
+        what = f"{kind} L={depth} V={vocab} B={budget} T={threads}"
+        if kind != "masked":
+            assert bool(outs[5][0]) == shallow, what
+        if outs[5][0]:
+            n = int(outs[4][0])
+            got = ref.Tree(*(torch.from_numpy(o[:n]) for o in outs[:4]))
+            assert_same_tree(got, want, what)
+        else:
+            assert all((o == -7).all() for o in outs[:5]), f"{what}: declined but wrote"
+        seen.add(bool(outs[5][0]))
+    assert kind == "masked" or seen == {True, False}, (kind, seen)
+
+
 def rel_of(ps: int, d: int, r: int, tm: int, tdig) -> int:
     """Child (p, r)'s place against tau's rank tuple (-1 before, 0 a prefix of it or tau, +1 after), p of depth d
     in place ps; the definition tree_thresh.child_state implements."""
@@ -675,23 +730,69 @@ def test_gpu_full_shapes_match_reference(gpu, depth, budget, kind):
 @given(kind=st.sampled_from(KINDS + ("equal",)), depth=st.integers(1, 15), vocab=st.integers(1, 5000),
        budget=st.integers(1, 1024), seed=st.integers(0, 2 ** 31 - 1),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), list_max=st.sampled_from([0, None]),
-       beam=st.sampled_from(["tree", "threshold"]))
-@example(kind="equal", depth=15, vocab=FULL_V, budget=1024, seed=0, dtype=torch.float32, list_max=None, beam="tree")
-@example(kind="peaked", depth=15, vocab=3, budget=1024, seed=0, dtype=torch.float32, list_max=None, beam="tree")
-@example(kind="equal", depth=15, vocab=FULL_V, budget=32, seed=0, dtype=torch.float32, list_max=0, beam="tree")
-@example(kind="peaked", depth=15, vocab=3, budget=512, seed=0, dtype=torch.float32, list_max=0, beam="threshold")
+       beam=st.sampled_from(["tree", "threshold"]), shallow=st.booleans())
+@example(kind="equal", depth=15, vocab=FULL_V, budget=1024, seed=0, dtype=torch.float32, list_max=None, beam="tree",
+         shallow=True)
+@example(kind="peaked", depth=15, vocab=3, budget=1024, seed=0, dtype=torch.float32, list_max=None, beam="tree",
+         shallow=True)
+@example(kind="equal", depth=15, vocab=FULL_V, budget=32, seed=0, dtype=torch.float32, list_max=0, beam="tree",
+         shallow=True)
+@example(kind="peaked", depth=15, vocab=3, budget=512, seed=0, dtype=torch.float32, list_max=0, beam="threshold",
+         shallow=True)
 @example(kind="equal", depth=15, vocab=FULL_V, budget=512, seed=0, dtype=torch.float32, list_max=0,
-         beam="threshold")
-def test_gpu_build_matches_reference(gpu, kind, depth, vocab, budget, seed, dtype, list_max, beam):
-    """The default config (the warp-list beam up to budget 32, tree_beam above), the beams above the list alone
-    (list_max=0), each with tree_beam or the threshold beam (budgets up to BMAX_THRESH) above list_max."""
+         beam="threshold", shallow=True)
+@example(kind="normal", depth=3, vocab=FULL_V, budget=256, seed=0, dtype=torch.float32, list_max=0, beam="tree",
+         shallow=True)
+def test_gpu_build_matches_reference(gpu, kind, depth, vocab, budget, seed, dtype, list_max, beam, shallow):
+    """The default config (the two-level selection on trees at most 2 deep, the warp-list beam up to budget 32,
+    tree_beam above), the beams above the list alone (list_max=0), each with tree_beam or the threshold beam
+    (budgets up to BMAX_THRESH) above list_max, with and without the two-level selection (Config.shallow)."""
     cfg = gpu.DEFAULT_CONFIG if list_max is None else dataclasses.replace(gpu.DEFAULT_CONFIG, list_max=list_max)
-    cfg = dataclasses.replace(cfg, beam=beam)
+    cfg = dataclasses.replace(cfg, beam=beam, shallow=shallow)
     if beam == "threshold":
         budget = min(budget, gpu.BMAX_THRESH)
     x = logits(kind, depth, vocab, seed, device="cuda").to(dtype)
     got = gpu.build_tree(x, budget, check_values=True, config=cfg)
     assert_same_tree(got, ref.build_tree(x, budget), f"{kind} L={depth} V={vocab} B={budget} {dtype}")
+
+
+TWO_LEVEL_PROBE = """
+def probe(top_lp, top_id, k, budget, tok, dep, par, score, n, took):
+    v = two_level(top_lp, top_id, k, budget, tok, dep, par, score, n)
+    if cuda.threadIdx.x == 0:
+        took[0] = 1 if v else 0
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth", [7, 15])
+@pytest.mark.parametrize("budget", [16, 32, 64, 256])
+@pytest.mark.parametrize("kind", ["normal", "draftlike", "integer", "equal"])
+def test_gpu_two_level_full_shapes(gpu, depth, budget, kind):
+    """tree_shallow.two_level alone at full shapes, in the geometry the launcher gives it: it takes the tree
+    exactly when the reference tree is at most 2 deep (normal rows: taken; draft-like: declined), and then writes
+    the reference tree node for node."""
+    from optimized.kernels import tree_shallow
+    _, threads = tree_shallow.shallow_for(budget, gpu.DEFAULT_CONFIG.beam_threads)
+    probe = sim_kernel(TWO_LEVEL_PROBE, "probe",
+                       two_level=tree_shallow.two_level_for(threads, max(1, max(budget, 32) // threads)))
+    x = logits(kind, depth, FULL_V, depth * 1000 + budget, device="cuda")
+    want = ref.build_tree(x, budget)
+    top_lp, top_id = (t.cuda() for t in ref.ranked_candidates(x.cpu(), budget))
+    outs = [torch.full((budget,), -7, dtype=torch.long, device="cuda") for _ in range(3)]
+    outs += [torch.full((budget,), -7.0, dtype=torch.float64, device="cuda"),
+             torch.full((1,), -7, dtype=torch.long, device="cuda"), torch.zeros(1, dtype=torch.long, device="cuda")]
+    probe[1, threads](gpu._arr(top_lp), gpu._arr(top_id), top_lp.shape[1], budget, *(gpu._arr(o) for o in outs))
+    took = bool(outs[5].item())
+    shallow = int(want.depths.max()) <= 2
+    assert took == shallow, f"{kind} L={depth} B={budget}: took {took}, reference depth {int(want.depths.max())}"
+    if kind == "normal":
+        assert took, "normal rows make trees at most 2 deep: the two-level selection must take them"
+    if took:
+        n = int(outs[4].item())
+        assert_same_tree(ref.Tree(*(o[:n] for o in outs[:4])), want, f"{kind} L={depth} B={budget}")
+    else:
+        assert all(bool((o == -7).all()) for o in outs[:5]), "declined but wrote"
 
 
 @pytest.mark.gpu

@@ -31,6 +31,7 @@ import torch
 from numba import cuda
 from .kernels.tree_beam import BMAX, beam_for
 from .kernels.tree_list import LIST_BMAX, MAX_DEPTH, auto_for, list_for
+from .kernels.tree_shallow import SHALLOW_BMAX, shallow_for
 from .kernels.tree_thresh import BMAX_THRESH, SCRATCH_ROWS, STATS, scratch_nodes, thresh_for
 from .kernels.tree_device import SIM, WARP
 from .kernels.tree_topk import (CAP, EPT, NB, PMAX, SORT_NA, TOPK_T, WAVE_BLOCKS, topk_filter,
@@ -52,6 +53,8 @@ class Config:
                            #   0: never. DEFAULT_CONFIG: 32 (see LIST_DEFAULT)
     beam: str = "tree"     # budgets above list_max: "tree" (tree_beam.py, a depth per step) or "threshold"
                            #   (tree_thresh.py, the set at or before a threshold, enumerated a level at a time)
+    shallow: bool = True   # budgets up to SHALLOW_BMAX first try the two-level selection (tree_shallow.py: exact
+                           #   when the tree is at most 2 deep, decided on the device; else the beam above runs)
 
 
 # The warp-list beam costs ~0.45 us a node whatever the depth; tree_beam ~5 us a depth (H100, tree_run11): the list
@@ -133,6 +136,8 @@ def _check_config(cfg: Config) -> Config:
                          f"got {cfg.list_max!r}")
     if cfg.beam not in BEAMS:
         raise ValueError(f"beam must be one of {BEAMS}, got {cfg.beam!r}")
+    if not isinstance(cfg.shallow, bool):
+        raise ValueError(f"shallow must be a bool, got {cfg.shallow!r}")
     if cfg.topk_threads * SORT_NA < BMAX:
         raise ValueError(f"topk_threads {cfg.topk_threads} < {BMAX // SORT_NA}: the top-K's whole-row sort "
                          f"holds {BMAX} keys in {SORT_NA} registers per thread")
@@ -196,8 +201,10 @@ def _topk_stage(x, vocab: int, k: int, ws: _Workspace, cfg: Config, s) -> None:
 def _beam_stage(k: int, budget: int, ws: _Workspace, cfg: Config, s, tokens, depths, parents, scores) -> None:
     """One launch: the first `budget` nodes in order into tokens/depths/parents/scores [budget]. Budgets up to
     cfg.list_max: the warp-list beam (one warp), up to a warp of them through tree_list.auto_for (one warp that
-    takes tree_beam's body instead when the tree is at most 2 deep); else cfg.beam's (tree_beam or the threshold
-    beam), in a block of the budget rounded up to a power of two (at least a warp), at most cfg.beam_threads threads."""
+    takes the two-level selection or tree_beam's body instead when the tree is at most 2 deep); else cfg.beam's
+    (tree_beam or the threshold beam; tree_beam behind the two-level selection up to SHALLOW_BMAX when
+    cfg.shallow), in a block of the budget rounded up to a power of two (at least a warp), at most
+    cfg.beam_threads threads."""
     a = ws.a
     out = (a["top_lp"], a["top_id"], k, budget, _arr(tokens), _arr(depths), _arr(parents), _arr(scores), a["count"])
     if budget > cfg.list_max and cfg.beam == "threshold":
@@ -205,9 +212,13 @@ def _beam_stage(k: int, budget: int, ws: _Workspace, cfg: Config, s, tokens, dep
         beam[1, threads, s](*out, a["thresh_ints"], a["thresh_stats"])
         return
     if budget <= min(cfg.list_max, WARP):
-        beam, threads = auto_for(budget)
+        beam, threads = auto_for(budget, cfg.shallow)
+    elif budget <= cfg.list_max:
+        beam, threads = list_for(budget)
+    elif cfg.shallow and budget <= SHALLOW_BMAX:
+        beam, threads = shallow_for(budget, cfg.beam_threads)
     else:
-        beam, threads = list_for(budget) if budget <= cfg.list_max else beam_for(budget, cfg.beam_threads)
+        beam, threads = beam_for(budget, cfg.beam_threads)
     beam[1, threads, s](*out)
 
 
