@@ -8,20 +8,25 @@ steps where tree_beam takes one per depth (15).
 
 Exact selection (what the model does, in integers on the 2^-28 grid):
   1. U = the best score of a prefix with D + 1 deviations (rank-1 deviations; a DP over depths). Every node with more
-     than D deviations scores <= U.
-  2. Enumerate E = nodes with <= D deviations scoring > U and inside the product bound (a node is preceded by every
+     than D deviations scores <= U. theta = max(U, b - 1), b the B-th best score of the L * K "start" nodes (z[j] +
+     lp[j][r]: the chain, and each node one deviation off it at its last depth), a lower bound of the B-th node's
+     score (one selection over L * K values, no enumeration).
+  2. Enumerate E = nodes with <= D deviations scoring > theta and inside the product bound (a node is preceded by every
      node whose tuple is componentwise <= on each of its prefixes: sum over e <= d of prod_{j <= e} (r_j + 1) <= B),
-     segment by segment, a deviation level at a time. If |E| >= B, at least B nodes precede every node scoring <= U,
-     so the first B nodes are in E; otherwise decline (another beam runs). No U (L <= D or K = 1): E is every node.
+     segment by segment, a deviation level at a time. If |E| >= B, at least B nodes score > theta >= U, so the first
+     B nodes (all > theta) are in E; otherwise decline (another beam runs). No U (L <= D or K = 1): E is every node
+     above the start bound.
   3. Rank E by (score descending, rank tuple ascending) and keep the first B. Tuples with <= 2 deviations order by
      their events (a deviation at depth p with rank r, then the end at depth d + 1), each coded in 15 bits: ends
      before deviations, later deviations first, then by rank; so (score, 45-bit code) orders as the reference does.
   With D = 2, after level 1 the B-th best score found so far (when there are >= B nodes) also bounds level 2.
 
 Checked against reference.tree.build_tree on 1,680 rows (7 kinds including the tie-heavy ones, L 1-15, V 2-300,
-budgets 1-256): exact on the 1,475 it takes. What stops it being a kernel today: |E| is far above B (draft-like
-L = 15: 1,940 nodes at budget 256, 24,679 at 1024), because U bounds the nodes with D + 1 deviations only loosely; a
-tighter threshold before level 1 (a selection over the level-1 segment scores) is the open step.
+budgets 1-256): exact on the 1,475 it takes. At the bench's rows (D = 2, all taken) |E| is 16-268 on normal rows up
+to budget 256 (1,055-1,063 at 1024) and 16-647 on draft-like ones (2,781 / 6,416 at 1024), with about B segments:
+the start bound does most of the work (U alone left 1,940 nodes at draft-like L = 15, budget 256). As a kernel:
+the start-bound selection, the DP, two deviation levels (a binary search per parent), one bucket rank of E; about
+six barrier phases whatever the depth, where tree_beam takes a merge step per depth (33-245 us on draft-like rows).
 
     python bench/segment_model.py          (CPU; the bench's logits at V = 163,840; ~1 minute)
 """
@@ -45,6 +50,14 @@ def event_dev(p: int, r: int) -> int:
     return 17 + (16 - p) * 1024 + (r - 1)
 
 
+def _start_bound(z: list, q: list, budget: int) -> int:
+    """A score every one of the first B nodes beats, less one: the B-th best of the L * K nodes that leave the chain
+    at most once, at their last depth (z[j] + lp[j][r]: the chain itself for r = 0), when there are B of them (B
+    distinct nodes score at least that, so the B-th node does); else NONE."""
+    starts = sorted((z[j] + q[j][r] for j in range(len(q)) for r in range(len(q[j]))), reverse=True)
+    return starts[budget - 1] - 1 if len(starts) >= budget else NONE
+
+
 def select(top_lp: torch.Tensor, top_id: torch.Tensor, budget: int, dev_max: int = 2):
     """(tree or None when it declines, |E|, segments)."""
     depth, k = top_lp.shape
@@ -63,7 +76,7 @@ def select(top_lp: torch.Tensor, top_id: torch.Tensor, budget: int, dev_max: int
                 nxt[c] = max(a, b)
             best = nxt
             u = max(u, best[dev_max + 1])
-    th = [u]
+    th = [max(u, _start_bound(z, q, budget))]
     nodes: list = []            # (score, code, parent node or -1, depth, rank at that depth)
     segs: list = []             # (start node, first depth, last depth, penalty, multiplier, S at parent, events)
 
