@@ -609,6 +609,56 @@ def probe(top_lp, top_id, k, budget, tok, dep, par, score, n, took):
     assert kind == "masked" or seen == {True, False}, (kind, seen)
 
 
+@sim_only
+@pytest.mark.parametrize("kind", ["normal", "draftlike", "integer", "equal", "peaked", "collapse", "masked",
+                                  "alternating"])
+def test_sim_segment_selection_exact(sim, kind):
+    """tree_segment.segment (the tree grown a deviation at a time) writes the reference tree node for node whenever it
+    takes one, and nothing when it declines (a node 3 deviations off the chain could enter, or its capacities
+    overflow); on normal and draft-like rows it takes trees of every depth. Budgets 1-64, blocks of 4-16 threads,
+    depths 1-8 (draft-like: trees as deep as the logits). "alternating": two near-equal favourites at depths 1, 3, 5
+    and one at 2 and 4, so that from budget 20 the tree holds nodes 3 deviations off the chain (budget 16: 2), which
+    only the bound U on such nodes (a DP that must follow the chain between deviations) can exclude."""
+    import numpy as np
+    from optimized.kernels import tree_segment
+    from optimized.kernels.tree_device import WARP
+    src = """
+def probe(top_lp, top_id, k, budget, tok, dep, par, score, n, took):
+    v = seg(top_lp, top_id, k, budget, tok, dep, par, score, n)
+    if cuda.threadIdx.x == 0:
+        took[0] = 1 if v else 0
+"""
+    taken_depths = set()
+    cases = [(1, 9, 7, 4), (2, 9, 40, 16), (3, 9, 16, 4), (5, 40, 64, 16), (8, 9, 16, 4), (8, 40, 33, 16),
+             (3, 2, 64, 16), (6, 40, 3, 4), (8, 40, 64, 16)]
+    if kind == "alternating":
+        cases = [(5, 12, 16, 4), (5, 12, 20, 4), (5, 12, 24, 8)]
+    for i, (depth, vocab, budget, threads) in enumerate(cases):
+        cap = WARP
+        while cap < budget:
+            cap *= 2
+        probe = sim_kernel(src, "probe", seg=tree_segment.segment_for(threads, max(1, cap // threads)))
+        if kind == "alternating":
+            x = torch.full((depth, vocab), -30.0)
+            x[0::2, 0], x[0::2, 1], x[1::2, 0] = 0.0, -0.1, 0.0
+        else:
+            x = logits(kind, depth, vocab, 31 * i + depth)
+        want = ref.build_tree(x, budget)
+        top_lp, top_id = ref.ranked_candidates(x, budget)
+        outs = [np.full(budget, -7, np.int64), np.full(budget, -7, np.int64), np.full(budget, -7, np.int64),
+                np.full(budget, -7.0, np.float64), np.full(1, -7, np.int64), np.zeros(1, np.int64)]
+        probe[1, threads](top_lp.numpy(), top_id.numpy(), top_lp.shape[1], budget, *outs)
+        what = f"{kind} L={depth} V={vocab} B={budget} T={threads}"
+        if outs[5][0]:
+            n = int(outs[4][0])
+            assert_same_tree(ref.Tree(*(torch.from_numpy(o[:n]) for o in outs[:4])), want, what)
+            taken_depths.add(int(want.depths.max()))
+        else:
+            assert all((o == -7).all() for o in outs[:5]), f"{what}: declined but wrote"
+    if kind in ("normal", "draftlike", "alternating"):
+        assert taken_depths and (kind == "normal" or max(taken_depths) >= 5), (kind, taken_depths)
+
+
 def rel_of(ps: int, d: int, r: int, tm: int, tdig) -> int:
     """Child (p, r)'s place against tau's rank tuple (-1 before, 0 a prefix of it or tau, +1 after), p of depth d
     in place ps; the definition tree_thresh.child_state implements."""
@@ -762,6 +812,37 @@ def probe(top_lp, top_id, k, budget, tok, dep, par, score, n, took):
     if cuda.threadIdx.x == 0:
         took[0] = 1 if v else 0
 """
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth", [7, 15])
+@pytest.mark.parametrize("budget", [16, 32, 64])
+@pytest.mark.parametrize("kind", ["normal", "draftlike", "integer", "equal"])
+def test_gpu_segment_full_shapes(gpu, depth, budget, kind):
+    """tree_segment.segment alone at full shapes, in the geometry the launcher gives it: whenever it takes a tree it
+    is the reference tree node for node (draft-like rows up to budget 32, trees 5-15 deep, must be taken); when it
+    declines it writes nothing."""
+    from optimized.kernels import tree_segment, tree_shallow
+    _, threads = tree_shallow.shallow_for(budget, gpu.DEFAULT_CONFIG.beam_threads)
+    probe = sim_kernel(TWO_LEVEL_PROBE, "probe",
+                       two_level=tree_segment.segment_for(threads, max(1, max(budget, 32) // threads)))
+    x = logits(kind, depth, FULL_V, depth * 1000 + budget, device="cuda")
+    want = ref.build_tree(x, budget)
+    top_lp, top_id = (t.cuda() for t in ref.ranked_candidates(x.cpu(), budget))
+    outs = [torch.full((budget,), -7, dtype=torch.long, device="cuda") for _ in range(3)]
+    outs += [torch.full((budget,), -7.0, dtype=torch.float64, device="cuda"),
+             torch.full((1,), -7, dtype=torch.long, device="cuda"), torch.zeros(1, dtype=torch.long, device="cuda")]
+    probe[1, threads](gpu._arr(top_lp), gpu._arr(top_id), top_lp.shape[1], budget, *(gpu._arr(o) for o in outs))
+    took = bool(outs[5].item())
+    if kind == "draftlike" and budget <= 32:
+        assert took, f"draft-like L={depth} B={budget} (tree depth {int(want.depths.max())}) was declined"
+    if took:
+        n = int(outs[4].item())
+        assert_same_tree(ref.Tree(*(o[:n] for o in outs[:4])), want, f"{kind} L={depth} B={budget}")
+    else:
+        assert all(bool((o == -7).all()) for o in outs[:5]), "declined but wrote"
+    print(f"segment {kind} L={depth} B={budget}: {'taken' if took else 'declined'}, tree depth "
+          f"{int(want.depths.max())}")
 
 
 @pytest.mark.gpu

@@ -54,7 +54,9 @@ class Config:
     beam: str = "tree"     # budgets above list_max: "tree" (tree_beam.py, a depth per step) or "threshold"
                            #   (tree_thresh.py, the set at or before a threshold, enumerated a level at a time)
     shallow: bool = True   # budgets up to SHALLOW_BMAX first try the two-level selection (tree_shallow.py: exact
-                           #   when the tree is at most 2 deep, decided on the device; else the beam above runs)
+                           #   when the tree is at most 2 deep, decided on the device), then up to SEGMENT_BMAX
+                           #   the segment selection (tree_segment.py: nodes at most 2 deviations off the rank-0
+                           #   chain); else the beam above runs
 
 
 # The warp-list beam costs ~0.45 us a node whatever the depth; tree_beam ~5 us a depth (H100, tree_run11): the list

@@ -33,6 +33,7 @@ from numba import cuda
 
 from .tree_beam import SCALE, q_of, variant_for
 from .tree_device import DEVICE, SIM, TBUF, WARP, block_scan, last_at_most
+from .tree_segment import SEGMENT_BMAX, segment_for
 
 SHALLOW_BMAX = 64 if SIM else 256   # largest budget (C <= 256: the candidates' keys fit shared memory)
 PER_NODE = 8                        # candidate capacity per unit of C: B (1 + ln B) <= 7.1 B up to B = 256
@@ -200,16 +201,16 @@ def two_level_for(T: int, GA: int):
 _two_levels: dict = {}
 
 
-def shallow_for(budget: int, max_threads: int):
-    """(kernel, T): the two-level selection, else tree_beam's body, for budgets up to SHALLOW_BMAX; tree_beam's
-    geometry (beam_for)."""
+def shallow_for(budget: int, max_threads: int, segments: bool = True):
+    """(kernel, T): the two-level selection, else (segments: budgets up to SEGMENT_BMAX) the segment selection
+    (tree_segment.py), else tree_beam's body, for budgets up to SHALLOW_BMAX; tree_beam's geometry (beam_for)."""
     if budget > SHALLOW_BMAX:
         raise ValueError(f"the two-level selection takes budgets up to {SHALLOW_BMAX}, got {budget}")
     (_, bbody), threads = variant_for(budget, max_threads)
     cap = WARP
     while cap < budget:
         cap *= 2
-    key = (threads, max(1, cap // threads))
+    key = (threads, max(1, cap // threads), segments and budget <= SEGMENT_BMAX)
     if key not in _kernels:
         _kernels[key] = _make_shallow(bbody, *key)
     return _kernels[key], threads
@@ -218,9 +219,20 @@ def shallow_for(budget: int, max_threads: int):
 _kernels: dict = {}
 
 
-def _make_shallow(bbody, T, GA):
+def _make_shallow(bbody, T, GA, seg):
     two_level = two_level_for(T, GA)
+    segment = segment_for(T, GA) if seg else None
     jit = {} if SIM else {"launch_bounds": T}
+
+    if seg:
+        @cuda.jit(**jit)
+        def beam_segment(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
+            if two_level(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
+                return
+            if not segment(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
+                bbody(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n)
+
+        return beam_segment
 
     @cuda.jit(**jit)
     def beam_shallow(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):

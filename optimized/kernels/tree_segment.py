@@ -1,0 +1,384 @@
+"""Best-first selection grown a deviation at a time: the first B prefixes in the order of reference/tree.py, in that
+order, for trees whose nodes leave the all-rank-0 chain at most twice. Same input (the per-depth top-K: lp [L, K]
+fp32 on the 2^-28 grid, token ids [L, K], sorted by rank) and the same output, node for node, as tree_beam's kernel.
+
+Why: draft-like trees are a long chain with short branches (the tree bench's rows: every node has at most 2
+deviations, bench/segment_model.py). tree_beam merges one depth per step (33-245 us on them, H100); here the tree is a
+set of SEGMENTS (a deviation, then rank 0 onward), found in two deviation levels whatever the depth.
+
+A node is its depth d and its deviations (depths whose rank is not 0); score = z[d] + its deviations' penalties
+(lp[i][r] - lp[i][0] <= 0), z[d] the chain's score. Exact (decided on the device; block-uniform; otherwise the
+caller runs another beam):
+    U = the best score of a prefix with 3 deviations (rank-1 deviations, a DP over depths; none if L < 3 or K < 2):
+        every node with more than 2 deviations scores <= U.
+    theta = max(U, s_B - 1), s_B a lower bound of the B-th best of the L * K "start" nodes z[j] + lp[j][r] (the
+        chain and the nodes one deviation off it at their last depth): the smallest start score in the bucket that
+        holds the B-th best. B distinct nodes score >= s_B, so the first B nodes score > theta.
+    E = the nodes with <= 2 deviations scoring > theta inside the product bound (a node is preceded by every node
+        whose tuple is componentwise <= on each of its prefixes: sum_{e <= d} prod_{j <= e} (r_j + 1) <= B):
+        the chain; level 1, segments leaving the chain (or the root) at depth j + 1 with rank r >= 1 (a binary
+        search per chain node in the sorted row); level 2, segments leaving a level-1 node (a binary search each).
+        A segment runs on at rank 0 while its score stays > theta and the product bound holds.
+    If U exists and |E| < B: decline (not enough nodes above U to exclude deeper deviations). Else the first
+        n = min(B, |E|) of E in order: score descending, then rank tuple ascending, compared as events (each
+        deviation (depth p, rank r) then the end at depth d + 1, 15 bits each: ends before deviations, a later
+        deviation before an earlier one, then by rank), which orders tuples as the reference does. E is ranked by
+        buckets of the score and a count of the larger nodes in the node's own bucket (ties: by the event code).
+Capacities (C = T * GA >= budget): 2 C segments, 4 C nodes; more: decline.
+"""
+from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shim)
+
+import numpy as np
+from numba import cuda
+
+from .tree_beam import SCALE, q_of
+from .tree_device import DEVICE, TBUF, block_scan, find_bin_for, last_at_most
+
+SEGMENT_BMAX = 64           # largest budget (C <= 64: ~14 KB of shared memory beside the two-level's and tree_beam's)
+LMAX = 15                   # most depths (tree_list.MAX_DEPTH)
+LMAX1 = LMAX + 1            # (a shared array's size must be one constant, not an expression)
+NONE = -(2 ** 62)           # no bound
+EV_DEV = 17                 # event codes: an end at depth p is p (2..16); a deviation at depth p with rank r is
+EV_STEP = 1024              #   EV_DEV + (16 - p) * EV_STEP + r (17..16,400): 15 bits each
+
+
+@cuda.jit(**DEVICE)
+def count_above(lps, base, n, v):
+    """#{r < n : grid q of lps[base + r] > v}, the row non-increasing (a binary search)."""
+    lo = 0
+    hi = n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if q_of(lps[base + mid]) > v:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@cuda.jit(**DEVICE)
+def ev_dev(p, r):
+    return np.int64(EV_DEV + (16 - p) * EV_STEP + r)
+
+
+def segment_for(T: int, GA: int):
+    """Device function segment(top_lp, top_id, k, budget, out_*) -> bool for blocks of T threads (C = T * GA >=
+    budget): True when it wrote the tree (see the module docstring), False (nothing written) when the caller must
+    run another beam. Every thread calls it; the result is block-uniform."""
+    key = (T, GA)
+    if key in _segments:
+        return _segments[key]
+    C = T * GA
+    CAPS = 2 * C                # segments
+    CAPN = 4 * C                # nodes
+    NBK = 4 * C                 # buckets (a multiple of T)
+    NLP = LMAX * C
+    RPN = CAPN // T             # nodes per thread
+    RPS = NLP // T              # start scores per thread
+    find_bin = find_bin_for(T)
+
+    @cuda.jit(**DEVICE)
+    def seg_of(node0, nseg, x):
+        """The segment holding node x (node0 non-decreasing; empty segments share the next one's start)."""
+        return last_at_most(node0, 0, nseg - 1, x)
+
+    @cuda.jit(**DEVICE)
+    def code_of(s, d, s_i, s_r, s_pseg):
+        """The event code of the node at depth d of segment s (smaller = earlier tuple)."""
+        end = np.int64(d + 1)
+        if s == 0:
+            return end << 30
+        e1 = ev_dev(s_i[s], s_r[s])
+        p = s_pseg[s]
+        if p < 0:
+            return (e1 << 30) | (end << 15)
+        return (ev_dev(s_i[p], s_r[p]) << 30) | (e1 << 15) | end
+
+    @cuda.jit(**DEVICE)
+    def segment(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
+        tid = cuda.threadIdx.x
+        lps = cuda.shared.array(NLP, np.float32)     # the rows, row d at d * C
+        zz = cuda.shared.array(LMAX1, np.int64)   # chain scores by depth
+        sc = cuda.shared.array(4, np.int64)          # theta, U, low start score, high start score
+        cnt = cuda.shared.array(NBK, np.int32)
+        s_par = cuda.shared.array(CAPS, np.int32)    # segments: parent node (-1: the root), parent segment (-1: none
+        s_pseg = cuda.shared.array(CAPS, np.int32)   #   or the chain), first depth, its rank, penalty, product
+        s_i = cuda.shared.array(CAPS, np.int32)      #   multiplier, the product sum at the parent, first node
+        s_r = cuda.shared.array(CAPS, np.int32)
+        s_pen = cuda.shared.array(CAPS, np.int64)
+        s_mult = cuda.shared.array(CAPS, np.int32)
+        s_spar = cuda.shared.array(CAPS, np.int32)
+        s_node0 = cuda.shared.array(CAPS, np.int32)
+        ioff = cuda.shared.array(CAPN, np.int32)     # item offsets; then each node's output index
+        g_sc = cuda.shared.array(CAPN, np.int64)     # nodes grouped by bucket: score, node
+        g_id = cuda.shared.array(CAPN, np.int32)
+        tmp = cuda.shared.array(32, np.int64)
+        buf = cuda.shared.array(TBUF, np.int64)
+        shr = cuda.shared.array(2, np.int64)
+        mine = cuda.local.array(RPN, np.int64)
+        bk = cuda.local.array(RPN, np.int32)
+        rk = cuda.local.array(RPN, np.int32)
+        depth = top_lp.shape[0]
+        for d in range(depth):
+            for r in range(tid, k, T):
+                lps[d * C + r] = top_lp[d, r]
+        for b in range(tid, NBK, T):
+            cnt[b] = 0
+        cuda.syncthreads()
+        if tid == 0:                                 # chain scores, U, the start scores' range
+            z = np.int64(0)
+            zz[0] = z
+            b0 = np.int64(0)                         # best prefix with 0..3 rank-1 deviations
+            b1 = np.int64(NONE)
+            b2 = np.int64(NONE)
+            b3 = np.int64(NONE)
+            u = np.int64(NONE)
+            lo = q_of(lps[k - 1])
+            for d in range(depth):
+                q0 = q_of(lps[d * C])
+                lo = min(lo, z + q_of(lps[d * C + k - 1]))
+                z += q0
+                zz[d + 1] = z
+                if k > 1:
+                    q1 = q_of(lps[d * C + 1])
+                    n3 = max(b3 + q0 if b3 > NONE else NONE, b2 + q1 if b2 > NONE else NONE)
+                    n2 = max(b2 + q0 if b2 > NONE else NONE, b1 + q1 if b1 > NONE else NONE)
+                    n1 = max(b1 + q0 if b1 > NONE else NONE, b0 + q1)
+                    b0 += q0
+                    b1, b2, b3 = n1, n2, n3
+                    u = max(u, b3)
+            sc[1] = u
+            sc[2] = lo
+            sc[3] = q_of(lps[0])
+        cuda.syncthreads()
+        u = sc[1]
+        nst = depth * k                              # start scores: z[j] + lp[j][r], item j * k + r
+        theta = u
+        if nst >= budget:                            # the B-th best start score's bucket, its smallest score
+            lo = sc[2]
+            span = np.float64(sc[3] - lo)
+            scale = (NBK - 1) / span if span > 0.0 else 0.0
+            for a in range(RPS):
+                t = tid + a * T
+                if t < nst:
+                    j = t // k
+                    v = zz[j] + q_of(lps[j * C + t - j * k])
+                    cuda.atomic.add(cnt, min(np.int32(np.float64(v - lo) * scale), np.int32(NBK - 1)), 1)
+            cuda.syncthreads()
+            bb, _ = find_bin(cnt, NBK, budget, tmp, buf, shr)
+            if tid == 0:
+                shr[0] = np.int64(-NONE)
+            cuda.syncthreads()
+            for a in range(RPS):
+                t = tid + a * T
+                if t < nst:
+                    j = t // k
+                    v = zz[j] + q_of(lps[j * C + t - j * k])
+                    if min(np.int32(np.float64(v - lo) * scale), np.int32(NBK - 1)) == bb:
+                        cuda.atomic.min(shr, 0, v)
+            for b in range(tid, NBK, T):
+                cnt[b] = 0
+            cuda.syncthreads()
+            theta = max(u, shr[0] - 1)
+        # the chain: depths 1..e0
+        e0 = 0
+        for e in range(1, depth + 1):
+            if zz[e] > theta and e <= budget:
+                e0 = e
+        # level 1: items j = 0..m1-1 (the parent: the root, then the chain node at depth j); deviations at depth j + 1
+        m1 = min(e0, depth - 1) + 1
+        base = np.int64(0)
+        for c0 in range(0, m1, T):
+            j = c0 + tid
+            c = np.int64(0)
+            if j < m1:
+                lim = min(k, budget - j)
+                c = max(0, count_above(lps, j * C, lim, theta - zz[j]) - 1)
+            ex, tot = block_scan(c, tmp, buf)
+            if j < m1:
+                ioff[j] = np.int32(base + ex)
+            base += tot
+        cuda.syncthreads()
+        n1 = base
+        nseg = 1 + n1
+        if nseg > CAPS:
+            return False
+        if tid == 0:                                 # segment 0: the chain
+            s_par[0] = -1
+            s_pseg[0] = -1
+            s_i[0] = 1
+            s_r[0] = 0
+            s_pen[0] = 0
+            s_mult[0] = 1
+            s_spar[0] = 0
+        for s in range(tid, n1, T):
+            j = last_at_most(ioff, 0, m1 - 1, s)
+            r = 1 + s - ioff[j]
+            g = 1 + s
+            s_par[g] = j - 1
+            s_pseg[g] = -1
+            s_i[g] = j + 1
+            s_r[g] = r
+            s_pen[g] = q_of(lps[j * C + r]) - q_of(lps[j * C])
+            s_mult[g] = r + 1
+            s_spar[g] = j
+        cuda.syncthreads()
+        # nodes of the chain and the level-1 segments
+        base = np.int64(0)
+        for c0 in range(0, nseg, T):
+            g = c0 + tid
+            ln = np.int64(0)
+            if g < nseg:
+                if g == 0:
+                    ln = e0
+                else:
+                    i = s_i[g]
+                    e = i
+                    while e < depth and zz[e + 1] + s_pen[g] > theta and \
+                            s_spar[g] + (e + 2 - i) * s_mult[g] <= budget:
+                        e += 1
+                    ln = e - i + 1
+            ex, tot = block_scan(ln, tmp, buf)
+            if g < nseg:
+                s_node0[g] = np.int32(base + ex)
+            base += tot
+        cuda.syncthreads()
+        nn1 = base
+        if nn1 > CAPN:
+            return False
+        # level 2: items = the level-1 nodes x in [e0, nn1); deviations at depth d + 1 off node x (depth d)
+        nit = nn1 - e0
+        base = np.int64(0)
+        for c0 in range(0, nit, T):
+            it = c0 + tid
+            c = np.int64(0)
+            if it < nit:
+                x = e0 + it
+                g = last_at_most(s_node0, 1, nseg - 1, x)
+                d = s_i[g] + x - s_node0[g]
+                if d < depth:
+                    sn = s_spar[g] + (d - s_i[g] + 1) * s_mult[g]
+                    lim = min(k, (budget - sn) // s_mult[g])
+                    c = max(0, count_above(lps, d * C, lim, theta - zz[d] - s_pen[g]) - 1)
+            ex, tot = block_scan(c, tmp, buf)
+            if it < nit:
+                ioff[it] = np.int32(base + ex)
+            base += tot
+        cuda.syncthreads()
+        n2 = base
+        if nseg + n2 > CAPS:
+            return False
+        for s in range(tid, n2, T):
+            it = last_at_most(ioff, 0, nit - 1, s)
+            r = 1 + s - ioff[it]
+            x = e0 + it
+            g = last_at_most(s_node0, 1, nseg - 1, x)
+            d = s_i[g] + x - s_node0[g]
+            h = nseg + s
+            s_par[h] = x
+            s_pseg[h] = g
+            s_i[h] = d + 1
+            s_r[h] = r
+            s_pen[h] = s_pen[g] + q_of(lps[d * C + r]) - q_of(lps[d * C])
+            s_mult[h] = s_mult[g] * (r + 1)
+            s_spar[h] = s_spar[g] + (d - s_i[g] + 1) * s_mult[g]
+        cuda.syncthreads()
+        base = nn1
+        for c0 in range(0, n2, T):
+            s = c0 + tid
+            ln = np.int64(0)
+            if s < n2:
+                h = nseg + s
+                i = s_i[h]
+                e = i
+                while e < depth and zz[e + 1] + s_pen[h] > theta and s_spar[h] + (e + 2 - i) * s_mult[h] <= budget:
+                    e += 1
+                ln = e - i + 1
+            ex, tot = block_scan(ln, tmp, buf)
+            if s < n2:
+                s_node0[nseg + s] = np.int32(base + ex)
+            base += tot
+        cuda.syncthreads()
+        ne = base
+        nseg += n2
+        if ne > CAPN or (u > NONE and ne < budget):
+            return False
+        n = min(np.int64(budget), ne)
+        # rank E: buckets by score (larger first), then the larger nodes of the own bucket
+        lo = theta + 1 if theta > NONE else np.int64(NONE)
+        span = np.float64(sc[3] - lo)
+        scale = (NBK - 1) / span if span > 0.0 else 0.0
+        for a in range(RPN):
+            x = tid + a * T
+            if x < ne:
+                g = seg_of(s_node0, nseg, x)
+                v = zz[s_i[g] + x - s_node0[g]] + s_pen[g]
+                mine[a] = v
+                b = min(np.int32(np.float64(v - lo) * scale), np.int32(NBK - 1))
+                bk[a] = b
+                rk[a] = cuda.atomic.add(cnt, b, 1)
+        cuda.syncthreads()
+        per = NBK // T                               # cnt[b] := nodes in buckets above b
+        loc = np.int64(0)
+        for qq in range(tid * per, (tid + 1) * per):
+            loc += cnt[NBK - 1 - qq]
+        before, _ = block_scan(loc, tmp, buf)
+        for qq in range(tid * per, (tid + 1) * per):
+            cc = cnt[NBK - 1 - qq]
+            cnt[NBK - 1 - qq] = np.int32(before)
+            before += cc
+        cuda.syncthreads()
+        for a in range(RPN):
+            x = tid + a * T
+            if x < ne:
+                p = cnt[bk[a]] + rk[a]
+                g_sc[p] = mine[a]
+                g_id[p] = x
+        cuda.syncthreads()
+        for a in range(RPN):
+            x = tid + a * T
+            rk[a] = np.int32(n)
+            if x < ne:
+                v = mine[a]
+                b = bk[a]
+                r = np.int64(cnt[b])
+                if r < n:
+                    end = np.int64(cnt[b - 1]) if b > 0 else ne
+                    g = seg_of(s_node0, nseg, x)
+                    mc = np.int64(-1)                # this node's code, computed on the first tie
+                    for j in range(r, end):
+                        w = g_sc[j]
+                        if w > v:
+                            r += 1
+                        elif w == v and g_id[j] != x:
+                            if mc < 0:
+                                mc = code_of(g, s_i[g] + x - s_node0[g], s_i, s_r, s_pseg)
+                            y = g_id[j]
+                            gy = seg_of(s_node0, nseg, y)
+                            if code_of(gy, s_i[gy] + y - s_node0[gy], s_i, s_r, s_pseg) < mc:
+                                r += 1
+                    if r < n:
+                        rk[a] = np.int32(r)
+                        ioff[x] = np.int32(r)
+        cuda.syncthreads()
+        for a in range(RPN):                         # write out in order
+            r = rk[a]
+            if r < n:
+                x = tid + a * T
+                g = seg_of(s_node0, nseg, x)
+                i = s_i[g]
+                d = i + x - s_node0[g]
+                out_tok[r] = top_id[d - 1, s_r[g] if d == i else 0]
+                out_dep[r] = d
+                par = x - 1 if d > i else s_par[g]
+                out_par[r] = np.int64(ioff[par]) + 1 if par >= 0 else 0
+                out_score[r] = np.float64(mine[a]) / SCALE
+        if tid == 0:
+            out_n[0] = n
+        return True
+
+    _segments[key] = segment
+    return segment
+
+
+_segments: dict = {}
