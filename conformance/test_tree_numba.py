@@ -232,7 +232,6 @@ for budget in (16, 32, 64, 128, 256, 512, 1024):       # every beam variant the 
 for budget in (64, 128, 256):                          # every warp-list variant: 1, 2, 4 register rows
     kernels[f"beam_list_B{budget}"] = (Lst.list_for(budget)[0], beam_sig)
 kernels["beam_auto"] = (Lst.auto_for(32)[0], beam_sig)
-kernels["beam_auto_no_two_level"] = (Lst.auto_for(32, False)[0], beam_sig)
 for budget in (32, 64, 128, 256):                      # every two-level variant (tree_shallow.shallow_for)
     kernels[f"beam_shallow_B{budget}"] = (Sh.shallow_for(budget, 1024)[0], beam_sig)
 for budget in (32, 64, 128, 256, 512):                 # every threshold-beam variant (32 to 512 threads)
@@ -261,7 +260,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
         pytest.skip("no NVVM/NVRTC to compile with (install the CUDA toolkit or nvidia-cuda-nvrtc): "
                     + out.strip().splitlines()[-1][:200])
     assert proc.returncode == 0, out[-3000:]
-    assert out.count(" ok ") == 26, out
+    assert out.count(" ok ") == 25, out
 
 
 @pytest.mark.parametrize("value, ok", [("1024", True), ("256", True), ("300", False), ("2048", False)])
@@ -851,8 +850,8 @@ def test_gpu_segment_full_shapes(gpu, depth, budget, kind):
 @pytest.mark.parametrize("kind", ["normal", "draftlike", "integer", "equal"])
 def test_gpu_two_level_full_shapes(gpu, depth, budget, kind):
     """tree_shallow.two_level alone at full shapes, in the geometry the launcher gives it: it takes the tree
-    exactly when the reference tree is at most 2 deep (normal rows: taken; draft-like: declined), and then writes
-    the reference tree node for node."""
+    exactly when the reference tree is at most 2 deep (draft-like rows: declined; normal ones: mostly taken, but
+    e.g. L = 15, budget 32 of this seed makes a 3-deep tree), and then writes the reference tree node for node."""
     from optimized.kernels import tree_shallow
     _, threads = tree_shallow.shallow_for(budget, gpu.DEFAULT_CONFIG.beam_threads)
     probe = sim_kernel(TWO_LEVEL_PROBE, "probe",
@@ -867,8 +866,6 @@ def test_gpu_two_level_full_shapes(gpu, depth, budget, kind):
     took = bool(outs[5].item())
     shallow = int(want.depths.max()) <= 2
     assert took == shallow, f"{kind} L={depth} B={budget}: took {took}, reference depth {int(want.depths.max())}"
-    if kind == "normal":
-        assert took, "normal rows make trees at most 2 deep: the two-level selection must take them"
     if took:
         n = int(outs[4].item())
         assert_same_tree(ref.Tree(*(o[:n] for o in outs[:4])), want, f"{kind} L={depth} B={budget}")

@@ -53,10 +53,12 @@ class Config:
                            #   0: never. DEFAULT_CONFIG: 32 (see LIST_DEFAULT)
     beam: str = "tree"     # budgets above list_max: "tree" (tree_beam.py, a depth per step) or "threshold"
                            #   (tree_thresh.py, the set at or before a threshold, enumerated a level at a time)
-    shallow: bool = True   # budgets up to SHALLOW_BMAX first try the two-level selection (tree_shallow.py: exact
-                           #   when the tree is at most 2 deep, decided on the device), then up to SEGMENT_BMAX
-                           #   the segment selection (tree_segment.py: nodes at most 2 deviations off the rank-0
-                           #   chain); else the beam above runs
+    shallow: bool = True   # budgets above list_max's warp and up to SHALLOW_BMAX first try the two-level selection
+                           #   (tree_shallow.py: exact when the tree is at most 2 deep, decided on the device), then
+                           #   up to SEGMENT_BMAX the segment selection (tree_segment.py: nodes at most 2 deviations
+                           #   off the rank-0 chain); else the beam above runs. (Not in the one-warp auto beam of
+                           #   budgets <= 32: there both were slower, tree_run20: 8.7 against tree_beam's 6.4 us on
+                           #   one-deep trees, 27.9 against the list beam's 15.2 on draft-like L = 15.)
 
 
 # The warp-list beam costs ~0.45 us a node whatever the depth; tree_beam ~5 us a depth (H100, tree_run11): the list
@@ -203,8 +205,8 @@ def _topk_stage(x, vocab: int, k: int, ws: _Workspace, cfg: Config, s) -> None:
 def _beam_stage(k: int, budget: int, ws: _Workspace, cfg: Config, s, tokens, depths, parents, scores) -> None:
     """One launch: the first `budget` nodes in order into tokens/depths/parents/scores [budget]. Budgets up to
     cfg.list_max: the warp-list beam (one warp), up to a warp of them through tree_list.auto_for (one warp that
-    takes the two-level selection or tree_beam's body instead when the tree is at most 2 deep); else cfg.beam's
-    (tree_beam or the threshold beam; tree_beam behind the two-level selection up to SHALLOW_BMAX when
+    takes tree_beam's body instead when the tree is at most 2 deep); else cfg.beam's (tree_beam or the threshold
+    beam; tree_beam behind the two-level and segment selections up to SHALLOW_BMAX / SEGMENT_BMAX when
     cfg.shallow), in a block of the budget rounded up to a power of two (at least a warp), at most
     cfg.beam_threads threads."""
     a = ws.a
@@ -214,7 +216,7 @@ def _beam_stage(k: int, budget: int, ws: _Workspace, cfg: Config, s, tokens, dep
         beam[1, threads, s](*out, a["thresh_ints"], a["thresh_stats"])
         return
     if budget <= min(cfg.list_max, WARP):
-        beam, threads = auto_for(budget, cfg.shallow)
+        beam, threads = auto_for(budget)
     elif budget <= cfg.list_max:
         beam, threads = list_for(budget)
     elif cfg.shallow and budget <= SHALLOW_BMAX:

@@ -28,8 +28,6 @@ from numba import cuda
 
 from .tree_beam import PAD_Q, SCALE, q_of, variant_for
 from .tree_device import DEVICE, SIM, TBUF, WARP, ballot, shfl_idx, shfl_xor, warp_sync
-from .tree_segment import segment_for
-from .tree_shallow import two_level_for
 
 MAX_DEPTH = 15                    # most depths (tree_numba.build_tree checks; the aux's depth has 4 bits)
 LIST_BMAX = 64 if SIM else 256    # largest budget: W = LIST_BMAX / (2 * WARP) rows (simulator: 8 rows of 4 lanes)
@@ -123,32 +121,24 @@ def shallow(top_lp, k, budget, buf):
     return cnt >= budget
 
 
-def auto_for(budget: int, two: bool = True):
-    """(kernel, WARP) for budgets up to WARP: one warp that runs, when `two`, the two-level selection
-    (tree_shallow.py) on trees it proves at most 2 deep, then the segment selection (tree_segment.py) on trees whose
-    nodes leave the rank-0 chain at most twice; else tree_beam's body (~5 us a depth, ~1 us at depth 1) on trees of
-    depth <= 2 by `shallow`, and the warp-list body (~0.45 us a node) on deeper ones."""
+def auto_for(budget: int):
+    """(kernel, WARP) for budgets up to WARP: one warp that runs tree_beam's body (~5 us a depth, ~1 us at depth 1)
+    on trees of depth <= 2 by `shallow`, and the warp-list body (~0.45 us a node) on deeper ones."""
     if budget > WARP:
         raise ValueError(f"the auto beam takes budgets up to {WARP}, got {budget}")
-    if ("auto", two) not in _variants:
-        _variants[("auto", two)] = _make_auto(two)
-    return _variants[("auto", two)], WARP
+    if "auto" not in _variants:
+        _variants["auto"] = _make_auto()
+    return _variants["auto"], WARP
 
 
-def _make_auto(two):
-    lbody = _variant(WARP)[1]                                    # the bodies' variants for budgets <= WARP:
+def _make_auto():
+    lbody = _variant(WARP)[1]                                    # both bodies' variants for budgets <= WARP:
     bbody = variant_for(WARP, WARP)[0][1]                        #   one warp a block
-    two_level = two_level_for(WARP, 1)
-    segment = segment_for(WARP, 1)
     jit = {} if SIM else {"launch_bounds": WARP}
 
     @cuda.jit(**jit)
     def beam_auto(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
         buf = cuda.shared.array(TBUF, np.int64)
-        if two and two_level(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
-            return
-        if two and segment(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
-            return
         if shallow(top_lp, k, budget, buf):
             bbody(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n)
         else:

@@ -34,7 +34,7 @@ from numba import cuda
 from .tree_beam import SCALE, q_of
 from .tree_device import DEVICE, TBUF, block_scan, find_bin_for, last_at_most
 
-SEGMENT_BMAX = 64           # largest budget (C <= 64: ~14 KB of shared memory beside the two-level's and tree_beam's)
+SEGMENT_BMAX = 64           # largest budget (C <= 64: ~18 KB of shared memory beside the two-level's and tree_beam's)
 LMAX = 15                   # most depths (tree_list.MAX_DEPTH)
 LMAX1 = LMAX + 1            # (a shared array's size must be one constant, not an expression)
 NONE = -(2 ** 62)           # no bound
@@ -43,13 +43,14 @@ EV_STEP = 1024              #   EV_DEV + (16 - p) * EV_STEP + r (17..16,400): 15
 
 
 @cuda.jit(**DEVICE)
-def count_above(lps, base, n, v):
-    """#{r < n : grid q of lps[base + r] > v}, the row non-increasing (a binary search)."""
+def count_above(lq, base, n, v, sn, mult, budget):
+    """#{r < n : lq[base + r] > v and sn + mult * (r + 1) <= budget} (the score above theta, the product bound), the
+    row non-increasing: both hold on a prefix of the ranks (a binary search; no division)."""
     lo = 0
     hi = n
     while lo < hi:
         mid = (lo + hi) // 2
-        if q_of(lps[base + mid]) > v:
+        if lq[base + mid] > v and sn + mult * (mid + 1) <= budget:
             lo = mid + 1
         else:
             hi = mid
@@ -74,7 +75,6 @@ def segment_for(T: int, GA: int):
     NBK = 4 * C                 # buckets (a multiple of T)
     NLP = LMAX * C
     RPN = CAPN // T             # nodes per thread
-    RPS = NLP // T              # start scores per thread
     find_bin = find_bin_for(T)
 
     @cuda.jit(**DEVICE)
@@ -97,7 +97,7 @@ def segment_for(T: int, GA: int):
     @cuda.jit(**DEVICE)
     def segment(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
         tid = cuda.threadIdx.x
-        lps = cuda.shared.array(NLP, np.float32)     # the rows, row d at d * C
+        lq = cuda.shared.array(NLP, np.int64)        # the rows' scores (units of 2^-28), row d at d * C
         zz = cuda.shared.array(LMAX1, np.int64)   # chain scores by depth
         sc = cuda.shared.array(4, np.int64)          # theta, U, low start score, high start score
         cnt = cuda.shared.array(NBK, np.int32)
@@ -119,9 +119,12 @@ def segment_for(T: int, GA: int):
         bk = cuda.local.array(RPN, np.int32)
         rk = cuda.local.array(RPN, np.int32)
         depth = top_lp.shape[0]
-        for d in range(depth):
-            for r in range(tid, k, T):
-                lps[d * C + r] = top_lp[d, r]
+        for d in range(LMAX):                        # a constant trip count: the loads go out together
+            if d < depth:
+                for a in range(GA):
+                    r = tid + a * T
+                    if r < k:
+                        lq[d * C + r] = q_of(top_lp[d, r])
         for b in range(tid, NBK, T):
             cnt[b] = 0
         cuda.syncthreads()
@@ -133,14 +136,14 @@ def segment_for(T: int, GA: int):
             b2 = np.int64(NONE)
             b3 = np.int64(NONE)
             u = np.int64(NONE)
-            lo = q_of(lps[k - 1])
+            lo = lq[k - 1]
             for d in range(depth):
-                q0 = q_of(lps[d * C])
-                lo = min(lo, z + q_of(lps[d * C + k - 1]))
+                q0 = lq[d * C]
+                lo = min(lo, z + lq[d * C + k - 1])
                 z += q0
                 zz[d + 1] = z
                 if k > 1:
-                    q1 = q_of(lps[d * C + 1])
+                    q1 = lq[d * C + 1]
                     n3 = max(b3 + q0 if b3 > NONE else NONE, b2 + q1 if b2 > NONE else NONE)
                     n2 = max(b2 + q0 if b2 > NONE else NONE, b1 + q1 if b1 > NONE else NONE)
                     n1 = max(b1 + q0 if b1 > NONE else NONE, b0 + q1)
@@ -149,33 +152,34 @@ def segment_for(T: int, GA: int):
                     u = max(u, b3)
             sc[1] = u
             sc[2] = lo
-            sc[3] = q_of(lps[0])
+            sc[3] = lq[0]
         cuda.syncthreads()
         u = sc[1]
-        nst = depth * k                              # start scores: z[j] + lp[j][r], item j * k + r
         theta = u
-        if nst >= budget:                            # the B-th best start score's bucket, its smallest score
-            lo = sc[2]
+        if depth * k >= budget:                      # start scores z[j] + lp[j][r]: the B-th best one's bucket, and
+            lo = sc[2]                               #   the smallest score in it
             span = np.float64(sc[3] - lo)
             scale = (NBK - 1) / span if span > 0.0 else 0.0
-            for a in range(RPS):
-                t = tid + a * T
-                if t < nst:
-                    j = t // k
-                    v = zz[j] + q_of(lps[j * C + t - j * k])
-                    cuda.atomic.add(cnt, min(np.int32(np.float64(v - lo) * scale), np.int32(NBK - 1)), 1)
+            for d in range(LMAX):
+                if d < depth:
+                    for a in range(GA):
+                        r = tid + a * T
+                        if r < k:
+                            v = zz[d] + lq[d * C + r]
+                            cuda.atomic.add(cnt, min(np.int32(np.float64(v - lo) * scale), np.int32(NBK - 1)), 1)
             cuda.syncthreads()
             bb, _ = find_bin(cnt, NBK, budget, tmp, buf, shr)
             if tid == 0:
                 shr[0] = np.int64(-NONE)
             cuda.syncthreads()
-            for a in range(RPS):
-                t = tid + a * T
-                if t < nst:
-                    j = t // k
-                    v = zz[j] + q_of(lps[j * C + t - j * k])
-                    if min(np.int32(np.float64(v - lo) * scale), np.int32(NBK - 1)) == bb:
-                        cuda.atomic.min(shr, 0, v)
+            for d in range(LMAX):
+                if d < depth:
+                    for a in range(GA):
+                        r = tid + a * T
+                        if r < k:
+                            v = zz[d] + lq[d * C + r]
+                            if min(np.int32(np.float64(v - lo) * scale), np.int32(NBK - 1)) == bb:
+                                cuda.atomic.min(shr, 0, v)
             for b in range(tid, NBK, T):
                 cnt[b] = 0
             cuda.syncthreads()
@@ -192,8 +196,7 @@ def segment_for(T: int, GA: int):
             j = c0 + tid
             c = np.int64(0)
             if j < m1:
-                lim = min(k, budget - j)
-                c = max(0, count_above(lps, j * C, lim, theta - zz[j]) - 1)
+                c = max(0, count_above(lq, j * C, k, theta - zz[j], j, 1, budget) - 1)
             ex, tot = block_scan(c, tmp, buf)
             if j < m1:
                 ioff[j] = np.int32(base + ex)
@@ -219,7 +222,7 @@ def segment_for(T: int, GA: int):
             s_pseg[g] = -1
             s_i[g] = j + 1
             s_r[g] = r
-            s_pen[g] = q_of(lps[j * C + r]) - q_of(lps[j * C])
+            s_pen[g] = lq[j * C + r] - lq[j * C]
             s_mult[g] = r + 1
             s_spar[g] = j
         cuda.syncthreads()
@@ -258,8 +261,7 @@ def segment_for(T: int, GA: int):
                 d = s_i[g] + x - s_node0[g]
                 if d < depth:
                     sn = s_spar[g] + (d - s_i[g] + 1) * s_mult[g]
-                    lim = min(k, (budget - sn) // s_mult[g])
-                    c = max(0, count_above(lps, d * C, lim, theta - zz[d] - s_pen[g]) - 1)
+                    c = max(0, count_above(lq, d * C, k, theta - zz[d] - s_pen[g], sn, s_mult[g], budget) - 1)
             ex, tot = block_scan(c, tmp, buf)
             if it < nit:
                 ioff[it] = np.int32(base + ex)
@@ -279,7 +281,7 @@ def segment_for(T: int, GA: int):
             s_pseg[h] = g
             s_i[h] = d + 1
             s_r[h] = r
-            s_pen[h] = s_pen[g] + q_of(lps[d * C + r]) - q_of(lps[d * C])
+            s_pen[h] = s_pen[g] + lq[d * C + r] - lq[d * C]
             s_mult[h] = s_mult[g] * (r + 1)
             s_spar[h] = s_spar[g] + (d - s_i[g] + 1) * s_mult[g]
         cuda.syncthreads()

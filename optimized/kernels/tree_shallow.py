@@ -47,13 +47,14 @@ NONE = -(2 ** 62)                   # no s3 (L <= 2)
 
 
 @cuda.jit(**DEVICE)
-def count_at_least(row, n, v, strict):
-    """#{r < n : row[r] > v} (strict) or >= v, row non-increasing (a binary search)."""
+def count_at_least(row, n, v, strict, r1, budget):
+    """#{r < n : row[r] > v (strict) or >= v, and (r1 + 1)(r + 2) <= budget}, row non-increasing: both hold on a
+    prefix of the ranks (a binary search; no division). budget 0: no product bound."""
     lo = 0
     hi = n
     while lo < hi:
         mid = (lo + hi) // 2
-        if row[mid] > v or (not strict and row[mid] == v):
+        if (row[mid] > v or (not strict and row[mid] == v)) and (budget == 0 or (r1 + 1) * (mid + 2) <= budget):
             lo = mid + 1
         else:
             hi = mid
@@ -109,16 +110,17 @@ def two_level_for(T: int, GA: int):
             part = np.int64(0)
             if r1 < k:
                 qa = la[r1]
-                cb = max(0, min(k, budget // (r1 + 1) - 1)) if depth > 1 else 0
                 if depth > 2:
                     if qa >= s3:
-                        part = 1 + count_at_least(lb, cb, s3 - qa, False)
-                    strict = (1 if qa > s3 else 0) + count_at_least(lb, k, s3 - qa, True)
+                        part = 1 + count_at_least(lb, k, s3 - qa, False, r1, budget)
+                    strict = (1 if qa > s3 else 0) + count_at_least(lb, k, s3 - qa, True, r1, 0)
                     if r1 == 0:
                         strict += (1 if a0 == s3 else 0) + (1 if a0 + lb[0] == s3 else 0)
                     part |= np.int64(strict) << LOW_BITS
+                elif depth == 2:
+                    part = 1 + count_at_least(lb, k, np.int64(NONE), True, r1, budget)
                 else:
-                    part = 1 + cb
+                    part = 1
             ex, tot = block_scan(part, tmp, buf)
             if r1 < k:
                 off[r1] = np.int32((base + ex) & LOW_MASK)
