@@ -805,26 +805,21 @@ def test_gpu_build_matches_reference(gpu, kind, depth, vocab, budget, seed, dtyp
     assert_same_tree(got, ref.build_tree(x, budget), f"{kind} L={depth} V={vocab} B={budget} {dtype}")
 
 
-TWO_LEVEL_PROBE = """
+SELECTION_PROBE = """
 def probe(top_lp, top_id, k, budget, tok, dep, par, score, n, took):
-    v = two_level(top_lp, top_id, k, budget, tok, dep, par, score, n)
+    v = select(top_lp, top_id, k, budget, tok, dep, par, score, n)
     if cuda.threadIdx.x == 0:
         took[0] = 1 if v else 0
 """
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("depth", [7, 15])
-@pytest.mark.parametrize("budget", [16, 32, 64])
-@pytest.mark.parametrize("kind", ["normal", "draftlike", "integer", "equal"])
-def test_gpu_segment_full_shapes(gpu, depth, budget, kind):
-    """tree_segment.segment alone at full shapes, in the geometry the launcher gives it: whenever it takes a tree it
-    is the reference tree node for node (draft-like rows up to budget 32, trees 5-15 deep, must be taken); when it
-    declines it writes nothing."""
-    from optimized.kernels import tree_segment, tree_shallow
+def probe_selection(gpu, make, kind: str, depth: int, budget: int):
+    """Run a selection device function (tree_shallow.two_level_for / tree_segment.segment_for, built by make(T, GA))
+    alone on full-shape logits, in the geometry the launcher gives it. Returns (taken, the reference tree), having
+    checked that a taken tree is the reference's node for node and that a declined call wrote nothing."""
+    from optimized.kernels import tree_shallow
     _, threads = tree_shallow.shallow_for(budget, gpu.DEFAULT_CONFIG.beam_threads)
-    probe = sim_kernel(TWO_LEVEL_PROBE, "probe",
-                       two_level=tree_segment.segment_for(threads, max(1, max(budget, 32) // threads)))
+    probe = sim_kernel(SELECTION_PROBE, "probe", select=make(threads, max(1, max(budget, 32) // threads)))
     x = logits(kind, depth, FULL_V, depth * 1000 + budget, device="cuda")
     want = ref.build_tree(x, budget)
     top_lp, top_id = (t.cuda() for t in ref.ranked_candidates(x.cpu(), budget))
@@ -833,13 +828,25 @@ def test_gpu_segment_full_shapes(gpu, depth, budget, kind):
              torch.full((1,), -7, dtype=torch.long, device="cuda"), torch.zeros(1, dtype=torch.long, device="cuda")]
     probe[1, threads](gpu._arr(top_lp), gpu._arr(top_id), top_lp.shape[1], budget, *(gpu._arr(o) for o in outs))
     took = bool(outs[5].item())
-    if kind == "draftlike" and budget <= 32:
-        assert took, f"draft-like L={depth} B={budget} (tree depth {int(want.depths.max())}) was declined"
     if took:
         n = int(outs[4].item())
         assert_same_tree(ref.Tree(*(o[:n] for o in outs[:4])), want, f"{kind} L={depth} B={budget}")
     else:
-        assert all(bool((o == -7).all()) for o in outs[:5]), "declined but wrote"
+        assert all(bool((o == -7).all()) for o in outs[:5]), f"{kind} L={depth} B={budget}: declined but wrote"
+    return took, want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth", [7, 15])
+@pytest.mark.parametrize("budget", [16, 32, 64])
+@pytest.mark.parametrize("kind", ["normal", "draftlike", "integer", "equal"])
+def test_gpu_segment_full_shapes(gpu, depth, budget, kind):
+    """tree_segment.segment alone at full shapes: whenever it takes a tree it is the reference tree node for node
+    (draft-like rows up to budget 32, trees 5-15 deep, must be taken); when it declines it writes nothing."""
+    from optimized.kernels import tree_segment
+    took, want = probe_selection(gpu, tree_segment.segment_for, kind, depth, budget)
+    if kind == "draftlike" and budget <= 32:
+        assert took, f"draft-like L={depth} B={budget} (tree depth {int(want.depths.max())}) was declined"
     print(f"segment {kind} L={depth} B={budget}: {'taken' if took else 'declined'}, tree depth "
           f"{int(want.depths.max())}")
 
@@ -849,28 +856,13 @@ def test_gpu_segment_full_shapes(gpu, depth, budget, kind):
 @pytest.mark.parametrize("budget", [16, 32, 64, 256])
 @pytest.mark.parametrize("kind", ["normal", "draftlike", "integer", "equal"])
 def test_gpu_two_level_full_shapes(gpu, depth, budget, kind):
-    """tree_shallow.two_level alone at full shapes, in the geometry the launcher gives it: it takes the tree
-    exactly when the reference tree is at most 2 deep (draft-like rows: declined; normal ones: mostly taken, but
-    e.g. L = 15, budget 32 of this seed makes a 3-deep tree), and then writes the reference tree node for node."""
+    """tree_shallow.two_level alone at full shapes: it takes the tree exactly when the reference tree is at most 2
+    deep (draft-like rows: declined; normal ones: mostly taken, but e.g. L = 15, budget 32 of this seed makes a
+    3-deep tree), and then writes the reference tree node for node."""
     from optimized.kernels import tree_shallow
-    _, threads = tree_shallow.shallow_for(budget, gpu.DEFAULT_CONFIG.beam_threads)
-    probe = sim_kernel(TWO_LEVEL_PROBE, "probe",
-                       two_level=tree_shallow.two_level_for(threads, max(1, max(budget, 32) // threads)))
-    x = logits(kind, depth, FULL_V, depth * 1000 + budget, device="cuda")
-    want = ref.build_tree(x, budget)
-    top_lp, top_id = (t.cuda() for t in ref.ranked_candidates(x.cpu(), budget))
-    outs = [torch.full((budget,), -7, dtype=torch.long, device="cuda") for _ in range(3)]
-    outs += [torch.full((budget,), -7.0, dtype=torch.float64, device="cuda"),
-             torch.full((1,), -7, dtype=torch.long, device="cuda"), torch.zeros(1, dtype=torch.long, device="cuda")]
-    probe[1, threads](gpu._arr(top_lp), gpu._arr(top_id), top_lp.shape[1], budget, *(gpu._arr(o) for o in outs))
-    took = bool(outs[5].item())
+    took, want = probe_selection(gpu, tree_shallow.two_level_for, kind, depth, budget)
     shallow = int(want.depths.max()) <= 2
     assert took == shallow, f"{kind} L={depth} B={budget}: took {took}, reference depth {int(want.depths.max())}"
-    if took:
-        n = int(outs[4].item())
-        assert_same_tree(ref.Tree(*(o[:n] for o in outs[:4])), want, f"{kind} L={depth} B={budget}")
-    else:
-        assert all(bool((o == -7).all()) for o in outs[:5]), "declined but wrote"
 
 
 @pytest.mark.gpu

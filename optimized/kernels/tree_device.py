@@ -181,6 +181,23 @@ def block_scan(val, tmp, buf):
     return before + x - np.int64(val), total
 
 
+@cuda.jit(**DEVICE)
+def buckets_above(cnt, nbk, per, tmp, buf):
+    """cnt[b] := the sum of cnt over the buckets above b (a scan in descending bucket order; each thread sums a run
+    of `per` buckets, nbk = per * blockDim); ends with a barrier. The bucket ranks' start (bucket_rank, the two-level
+    and segment selections): a key's rank is then cnt[its bucket] plus the larger keys in its own bucket."""
+    tid = cuda.threadIdx.x
+    loc = np.int64(0)
+    for q in range(tid * per, (tid + 1) * per):
+        loc += cnt[nbk - 1 - q]
+    before, _ = block_scan(loc, tmp, buf)
+    for q in range(tid * per, (tid + 1) * per):
+        c = cnt[nbk - 1 - q]
+        cnt[nbk - 1 - q] = np.int32(before)
+        before += c
+    cuda.syncthreads()
+
+
 _find_bins: dict = {}
 
 

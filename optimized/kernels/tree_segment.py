@@ -32,7 +32,7 @@ import numpy as np
 from numba import cuda
 
 from .tree_beam import SCALE, q_of
-from .tree_device import DEVICE, TBUF, block_scan, find_bin_for, last_at_most
+from .tree_device import DEVICE, TBUF, block_scan, buckets_above, find_bin_for, last_at_most
 
 SEGMENT_BMAX = 64           # largest budget (C <= 64: ~18 KB of shared memory beside the two-level's and tree_beam's)
 LMAX = 15                   # most depths (tree_list.MAX_DEPTH)
@@ -58,6 +58,16 @@ def count_above(lq, base, n, v, sn, mult, budget):
 
 
 @cuda.jit(**DEVICE)
+def seg_len(zz, depth, i, pen, spar, mult, theta, budget):
+    """Nodes of a segment that starts at depth i (its first node is in E): it runs on at rank 0 while the score
+    zz[e] + pen stays > theta and the product bound spar + (e - i + 1) * mult <= budget holds."""
+    e = i
+    while e < depth and zz[e + 1] + pen > theta and spar + (e + 2 - i) * mult <= budget:
+        e += 1
+    return e - i + 1
+
+
+@cuda.jit(**DEVICE)
 def ev_dev(p, r):
     return np.int64(EV_DEV + (16 - p) * EV_STEP + r)
 
@@ -76,6 +86,23 @@ def segment_for(T: int, GA: int):
     NLP = LMAX * C
     RPN = CAPN // T             # nodes per thread
     find_bin = find_bin_for(T)
+
+    @cuda.jit(**DEVICE)
+    def start_pass(lq, zz, depth, k, lo, scale, bb, cnt, shr):
+        """Over the start scores zz[d] + lq[d * C + r] (a constant trip count over the depths: the loads go out
+        together): bb < 0, count each into its bucket; else the smallest score in bucket bb into shr[0]."""
+        tid = cuda.threadIdx.x
+        for d in range(LMAX):
+            if d < depth:
+                for a in range(GA):
+                    r = tid + a * T
+                    if r < k:
+                        v = zz[d] + lq[d * C + r]
+                        b = min(np.int32(np.float64(v - lo) * scale), np.int32(NBK - 1))
+                        if bb < 0:
+                            cuda.atomic.add(cnt, b, 1)
+                        elif b == bb:
+                            cuda.atomic.min(shr, 0, v)
 
     @cuda.jit(**DEVICE)
     def seg_of(node0, nseg, x):
@@ -160,26 +187,13 @@ def segment_for(T: int, GA: int):
             lo = sc[2]                               #   the smallest score in it
             span = np.float64(sc[3] - lo)
             scale = (NBK - 1) / span if span > 0.0 else 0.0
-            for d in range(LMAX):
-                if d < depth:
-                    for a in range(GA):
-                        r = tid + a * T
-                        if r < k:
-                            v = zz[d] + lq[d * C + r]
-                            cuda.atomic.add(cnt, min(np.int32(np.float64(v - lo) * scale), np.int32(NBK - 1)), 1)
+            start_pass(lq, zz, depth, k, lo, scale, -1, cnt, shr)
             cuda.syncthreads()
             bb, _ = find_bin(cnt, NBK, budget, tmp, buf, shr)
             if tid == 0:
                 shr[0] = np.int64(-NONE)
             cuda.syncthreads()
-            for d in range(LMAX):
-                if d < depth:
-                    for a in range(GA):
-                        r = tid + a * T
-                        if r < k:
-                            v = zz[d] + lq[d * C + r]
-                            if min(np.int32(np.float64(v - lo) * scale), np.int32(NBK - 1)) == bb:
-                                cuda.atomic.min(shr, 0, v)
+            start_pass(lq, zz, depth, k, lo, scale, bb, cnt, shr)
             for b in range(tid, NBK, T):
                 cnt[b] = 0
             cuda.syncthreads()
@@ -235,12 +249,7 @@ def segment_for(T: int, GA: int):
                 if g == 0:
                     ln = e0
                 else:
-                    i = s_i[g]
-                    e = i
-                    while e < depth and zz[e + 1] + s_pen[g] > theta and \
-                            s_spar[g] + (e + 2 - i) * s_mult[g] <= budget:
-                        e += 1
-                    ln = e - i + 1
+                    ln = seg_len(zz, depth, s_i[g], s_pen[g], s_spar[g], s_mult[g], theta, budget)
             ex, tot = block_scan(ln, tmp, buf)
             if g < nseg:
                 s_node0[g] = np.int32(base + ex)
@@ -291,11 +300,7 @@ def segment_for(T: int, GA: int):
             ln = np.int64(0)
             if s < n2:
                 h = nseg + s
-                i = s_i[h]
-                e = i
-                while e < depth and zz[e + 1] + s_pen[h] > theta and s_spar[h] + (e + 2 - i) * s_mult[h] <= budget:
-                    e += 1
-                ln = e - i + 1
+                ln = seg_len(zz, depth, s_i[h], s_pen[h], s_spar[h], s_mult[h], theta, budget)
             ex, tot = block_scan(ln, tmp, buf)
             if s < n2:
                 s_node0[nseg + s] = np.int32(base + ex)
@@ -320,16 +325,7 @@ def segment_for(T: int, GA: int):
                 bk[a] = b
                 rk[a] = cuda.atomic.add(cnt, b, 1)
         cuda.syncthreads()
-        per = NBK // T                               # cnt[b] := nodes in buckets above b
-        loc = np.int64(0)
-        for qq in range(tid * per, (tid + 1) * per):
-            loc += cnt[NBK - 1 - qq]
-        before, _ = block_scan(loc, tmp, buf)
-        for qq in range(tid * per, (tid + 1) * per):
-            cc = cnt[NBK - 1 - qq]
-            cnt[NBK - 1 - qq] = np.int32(before)
-            before += cc
-        cuda.syncthreads()
+        buckets_above(cnt, NBK, NBK // T, tmp, buf)  # cnt[b] := nodes in buckets above b
         for a in range(RPN):
             x = tid + a * T
             if x < ne:

@@ -32,7 +32,7 @@ import numpy as np
 from numba import cuda
 
 from .tree_beam import SCALE, q_of, variant_for
-from .tree_device import DEVICE, SIM, TBUF, WARP, block_scan, last_at_most
+from .tree_device import DEVICE, SIM, TBUF, WARP, block_scan, buckets_above, last_at_most
 from .tree_segment import SEGMENT_BMAX, segment_for
 
 SHALLOW_BMAX = 64 if SIM else 256   # largest budget (C <= 256: the candidates' keys fit shared memory)
@@ -145,16 +145,7 @@ def two_level_for(T: int, GA: int):
                 bk[a] = b
                 rk[a] = cuda.atomic.add(cnt, b, 1)   # the key's slot in its bucket
         cuda.syncthreads()
-        # cnt[b] := keys in buckets above b (a scan in descending bucket order, each thread a run of PER buckets)
-        loc = np.int64(0)
-        for q in range(tid * PER, (tid + 1) * PER):
-            loc += cnt[NBK - 1 - q]
-        before, _ = block_scan(loc, tmp, buf)
-        for q in range(tid * PER, (tid + 1) * PER):
-            c = cnt[NBK - 1 - q]
-            cnt[NBK - 1 - q] = np.int32(before)
-            before += c
-        cuda.syncthreads()
+        buckets_above(cnt, NBK, PER, tmp, buf)       # cnt[b] := keys in buckets above b
         for a in range(RPT):
             if tid + a * T < nc:
                 grp[cnt[bk[a]] + rk[a]] = mine[a]

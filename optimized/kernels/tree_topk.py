@@ -35,7 +35,7 @@ import os
 import numpy as np
 from numba import cuda
 
-from .tree_device import (DEVICE, EXP_TAB, KERNEL, LP_FLOOR, SIM, TBUF, WARP, ballot, block_scan, exp_le0,
+from .tree_device import (DEVICE, EXP_TAB, KERNEL, LP_FLOOR, SIM, TBUF, WARP, ballot, buckets_above, exp_le0,
                           f32_bits, find_bin_for, grid_log_prob, key_value, pair_sort, shfl_idx, shfl_xor,
                           sortable_key)
 
@@ -337,17 +337,7 @@ def bucket_rank(cand, row, n, k, grp, cnt, tmp, buf, shr, top_lp, top_id):
             bk[a] = b
             slot[a] = cuda.atomic.add(cnt, b, 1)
     cuda.syncthreads()
-    # cnt[b] := keys in buckets above b (a scan in descending bucket order, each thread a run of NBK / T buckets)
-    per = NBK // T
-    local = np.int64(0)
-    for q in range(tid * per, (tid + 1) * per):
-        local += cnt[NBK - 1 - q]
-    before, _ = block_scan(local, tmp, buf)
-    for q in range(tid * per, (tid + 1) * per):
-        c = cnt[NBK - 1 - q]
-        cnt[NBK - 1 - q] = np.int32(before)
-        before += c
-    cuda.syncthreads()
+    buckets_above(cnt, NBK, NBK // T, tmp, buf)      # cnt[b] := keys in buckets above b
     for a in range(RPT):
         if tid + a * T < n:
             grp[cnt[bk[a]] + slot[a]] = mine[a]
