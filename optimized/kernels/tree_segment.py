@@ -25,6 +25,10 @@ caller runs another beam):
         deviation before an earlier one, then by rank), which orders tuples as the reference does. E is ranked by
         buckets of the score and a count of the larger nodes in the node's own bucket (ties: by the event code).
 Capacities (C = T * GA >= budget): 2 C segments, 4 C nodes; more: decline.
+Measured (tree_run20, H100, the beam stage alone, budget 64, 64 threads): 30.2 / 33.4 us on draft-like rows at L = 7 /
+    15 (trees 7 / 12 deep) against tree_beam's 32.7 / 53.5: latency-bound (two warps, ~15 barrier phases); in one
+    warp (budgets <= 32) slower than the list beam (27.9 against 15.2 us), so the auto beam does not use it. Budgets
+    above 64 would need its ~42 KB of shared memory at C = 256 to share a pool with the other bodies (48 KB).
 """
 from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shim)
 
