@@ -129,8 +129,8 @@ def segment_for(T: int, GA: int):
     def segment(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
         tid = cuda.threadIdx.x
         lq = cuda.shared.array(NLP, np.int64)        # the rows' scores (units of 2^-28), row d at d * C
-        zz = cuda.shared.array(LMAX1, np.int64)   # chain scores by depth
-        sc = cuda.shared.array(4, np.int64)          # theta, U, low start score, high start score
+        zz = cuda.shared.array(LMAX1, np.int64)      # chain scores by depth
+        sc = cuda.shared.array(4, np.int64)          # [1] U, [2] / [3] the lowest / highest start score
         cnt = cuda.shared.array(NBK, np.int32)
         s_par = cuda.shared.array(CAPS, np.int32)    # segments: parent node (-1: the root), parent segment (-1: none
         s_pseg = cuda.shared.array(CAPS, np.int32)   #   or the chain), first depth, its rank, penalty, product
