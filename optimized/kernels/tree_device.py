@@ -251,6 +251,23 @@ def first_digit(diff, ref_u):
 
 
 @cuda.jit(**DEVICE)
+def count_prefix(row, base, n, v, strict, a, b, c, budget):
+    """#{r < n : row[base + r] > v (strict) or >= v, and a + b * (r + c) <= budget}, the row non-increasing: both
+    hold on a prefix of the ranks (a binary search, no division). The second is the product bound of the two-level
+    and segment selections; a = b = c = budget = 0 switches it off."""
+    lo = 0
+    hi = n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        w = row[base + mid]
+        if (w > v or (not strict and w == v)) and a + b * (mid + c) <= budget:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@cuda.jit(**DEVICE)
 def last_at_most(arr, lo, hi, v):
     """The last index i in [lo, hi] with arr[i] <= v, arr non-decreasing and arr[lo] <= v (binary search)."""
     while lo < hi:

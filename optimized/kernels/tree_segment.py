@@ -36,7 +36,7 @@ import numpy as np
 from numba import cuda
 
 from .tree_beam import SCALE, q_of
-from .tree_device import DEVICE, TBUF, block_scan, buckets_above, find_bin_for, last_at_most
+from .tree_device import DEVICE, TBUF, block_scan, buckets_above, count_prefix, find_bin_for, last_at_most
 
 SEGMENT_BMAX = 64           # largest budget (C <= 64: ~18 KB of shared memory beside the two-level's and tree_beam's)
 LMAX = 15                   # most depths (tree_list.MAX_DEPTH)
@@ -44,21 +44,6 @@ LMAX1 = LMAX + 1            # (a shared array's size must be one constant, not a
 NONE = -(2 ** 62)           # no bound
 EV_DEV = 17                 # event codes: an end at depth p is p (2..16); a deviation at depth p with rank r is
 EV_STEP = 1024              #   EV_DEV + (16 - p) * EV_STEP + r (17..16,400): 15 bits each
-
-
-@cuda.jit(**DEVICE)
-def count_above(lq, base, n, v, sn, mult, budget):
-    """#{r < n : lq[base + r] > v and sn + mult * (r + 1) <= budget} (the score above theta, the product bound), the
-    row non-increasing: both hold on a prefix of the ranks (a binary search; no division)."""
-    lo = 0
-    hi = n
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if lq[base + mid] > v and sn + mult * (mid + 1) <= budget:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
 
 
 @cuda.jit(**DEVICE)
@@ -214,7 +199,7 @@ def segment_for(T: int, GA: int):
             j = c0 + tid
             c = np.int64(0)
             if j < m1:
-                c = max(0, count_above(lq, j * C, k, theta - zz[j], j, 1, budget) - 1)
+                c = max(0, count_prefix(lq, j * C, k, theta - zz[j], True, j, 1, 1, budget) - 1)
             ex, tot = block_scan(c, tmp, buf)
             if j < m1:
                 ioff[j] = np.int32(base + ex)
@@ -274,7 +259,7 @@ def segment_for(T: int, GA: int):
                 d = s_i[g] + x - s_node0[g]
                 if d < depth:
                     sn = s_spar[g] + (d - s_i[g] + 1) * s_mult[g]
-                    c = max(0, count_above(lq, d * C, k, theta - zz[d] - s_pen[g], sn, s_mult[g], budget) - 1)
+                    c = max(0, count_prefix(lq, d * C, k, theta - zz[d] - s_pen[g], True, sn, s_mult[g], 1, budget) - 1)
             ex, tot = block_scan(c, tmp, buf)
             if it < nit:
                 ioff[it] = np.int32(base + ex)

@@ -35,7 +35,7 @@ import numpy as np
 from numba import cuda
 
 from .tree_beam import SCALE, q_of, variant_for
-from .tree_device import DEVICE, SIM, TBUF, WARP, block_scan, buckets_above, last_at_most
+from .tree_device import DEVICE, SIM, TBUF, WARP, block_scan, buckets_above, count_prefix, last_at_most
 from .tree_segment import SEGMENT_BMAX, segment_for
 
 SHALLOW_BMAX = 64 if SIM else 256   # largest budget (C <= 256: the candidates' keys fit shared memory)
@@ -47,21 +47,6 @@ SPAN_MAX = 1 << 42                  # score - low (units of 2^-28) below this: t
 LOW_BITS = 24                       # block scan of (strict count << 24 | candidates of r1)
 LOW_MASK = (1 << LOW_BITS) - 1
 NONE = -(2 ** 62)                   # no s3 (L <= 2)
-
-
-@cuda.jit(**DEVICE)
-def count_at_least(row, n, v, strict, r1, budget):
-    """#{r < n : row[r] > v (strict) or >= v, and (r1 + 1)(r + 2) <= budget}, row non-increasing: both hold on a
-    prefix of the ranks (a binary search; no division). budget 0: no product bound."""
-    lo = 0
-    hi = n
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if (row[mid] > v or (not strict and row[mid] == v)) and (budget == 0 or (r1 + 1) * (mid + 2) <= budget):
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
 
 
 def two_level_for(T: int, GA: int):
@@ -115,13 +100,13 @@ def two_level_for(T: int, GA: int):
                 qa = la[r1]
                 if depth > 2:
                     if qa >= s3:
-                        part = 1 + count_at_least(lb, k, s3 - qa, False, r1, budget)
-                    strict = (1 if qa > s3 else 0) + count_at_least(lb, k, s3 - qa, True, r1, 0)
+                        part = 1 + count_prefix(lb, 0, k, s3 - qa, False, 0, r1 + 1, 2, budget)
+                    strict = (1 if qa > s3 else 0) + count_prefix(lb, 0, k, s3 - qa, True, 0, 0, 0, 0)
                     if r1 == 0:
                         strict += (1 if a0 == s3 else 0) + (1 if a0 + lb[0] == s3 else 0)
                     part |= np.int64(strict) << LOW_BITS
                 elif depth == 2:
-                    part = 1 + count_at_least(lb, k, np.int64(NONE), True, r1, budget)
+                    part = 1 + count_prefix(lb, 0, k, np.int64(NONE), True, 0, r1 + 1, 2, budget)
                 else:
                     part = 1
             ex, tot = block_scan(part, tmp, buf)
@@ -197,8 +182,8 @@ def two_level_for(T: int, GA: int):
 _two_levels: dict = {}
 
 
-def shallow_for(budget: int, max_threads: int, segments: bool = True):
-    """(kernel, T): the two-level selection, else (segments: budgets up to SEGMENT_BMAX) the segment selection
+def shallow_for(budget: int, max_threads: int):
+    """(kernel, T): the two-level selection, else (budgets up to SEGMENT_BMAX) the segment selection
     (tree_segment.py), else tree_beam's body, for budgets up to SHALLOW_BMAX; tree_beam's geometry (beam_for)."""
     if budget > SHALLOW_BMAX:
         raise ValueError(f"the two-level selection takes budgets up to {SHALLOW_BMAX}, got {budget}")
@@ -206,7 +191,7 @@ def shallow_for(budget: int, max_threads: int, segments: bool = True):
     cap = WARP
     while cap < budget:
         cap *= 2
-    key = (threads, max(1, cap // threads), segments and budget <= SEGMENT_BMAX)
+    key = (threads, max(1, cap // threads), budget <= SEGMENT_BMAX)
     if key not in _kernels:
         _kernels[key] = _make_shallow(bbody, *key)
     return _kernels[key], threads

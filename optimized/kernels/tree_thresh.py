@@ -46,7 +46,8 @@ import numpy as np
 from numba import cuda
 
 from .tree_beam import PAD_Q, SCALE, q_of
-from .tree_device import DEVICE, SIM, TBUF, WARP, block_scan, find_bin_for, first_digit, last_at_most, pair_sort
+from .tree_device import (DEVICE, SIM, TBUF, WARP, block_scan, count_prefix, find_bin_for, first_digit, last_at_most,
+                          pair_sort)
 from .tree_list import MAX_DEPTH
 
 CAP_FACTOR = 4                    # the enumeration buffer holds CAP_FACTOR * C nodes (>= 2: a step must move tau)
@@ -94,21 +95,6 @@ _variants: dict = {}
 
 
 @cuda.jit(**DEVICE)
-def n_entering(qrow, k, need, strict):
-    """Ranks r of the sorted row with qrow[r] >= need (strict: >): a prefix, by binary search."""
-    lo = 0
-    hi = k
-    while lo < hi:
-        mid = (lo + hi) // 2
-        v = qrow[mid]
-        if v > need or (not strict and v == need):
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
-
-
-@cuda.jit(**DEVICE)
 def n_children(qrow, k, sp, ps, d, tq, tm, tdig):
     """Children of a parent (score sp, state ps, depth d; the root: 0, its state, 0) that enter E(tau), tau =
     (tq, digits tdig[:tm]; tm = -1: +inf). State: -1 before t, 0 on t's path (a prefix of t), +1 after t. A child
@@ -116,11 +102,11 @@ def n_children(qrow, k, sp, ps, d, tq, tm, tdig):
     it when the parent is t itself (d == tm)."""
     need = tq - sp
     if ps < 0:
-        return n_entering(qrow, k, need, False)
-    b = n_entering(qrow, k, need, True)
+        return count_prefix(qrow, 0, k, need, False, 0, 0, 0, 0)
+    b = count_prefix(qrow, 0, k, need, True, 0, 0, 0, 0)
     if ps > 0 or d == tm:
         return b
-    a = n_entering(qrow, k, need, False)
+    a = count_prefix(qrow, 0, k, need, False, 0, 0, 0, 0)
     t = tdig[d]
     return a if a <= t else max(t + 1, b)
 
