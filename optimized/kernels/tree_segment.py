@@ -134,6 +134,7 @@ def segment_for(T: int, GA: int):
         mine = cuda.local.array(RPN, np.int64)
         bk = cuda.local.array(RPN, np.int32)
         rk = cuda.local.array(RPN, np.int32)
+        sg = cuda.local.array(RPN, np.int32)         # each node's segment, found once
         depth = top_lp.shape[0]
         for d in range(LMAX):                        # a constant trip count: the loads go out together
             if d < depth:
@@ -308,6 +309,7 @@ def segment_for(T: int, GA: int):
             x = tid + a * T
             if x < ne:
                 g = seg_of(s_node0, nseg, x)
+                sg[a] = g
                 v = zz[s_i[g] + x - s_node0[g]] + s_pen[g]
                 mine[a] = v
                 b = min(np.int32(np.float64(v - lo) * scale), np.int32(NBK - 1))
@@ -331,7 +333,7 @@ def segment_for(T: int, GA: int):
                 r = np.int64(cnt[b])
                 if r < n:
                     end = np.int64(cnt[b - 1]) if b > 0 else ne
-                    g = seg_of(s_node0, nseg, x)
+                    g = sg[a]
                     mc = np.int64(-1)                # this node's code, computed on the first tie
                     for j in range(r, end):
                         w = g_sc[j]
@@ -352,7 +354,7 @@ def segment_for(T: int, GA: int):
             r = rk[a]
             if r < n:
                 x = tid + a * T
-                g = seg_of(s_node0, nseg, x)
+                g = sg[a]
                 i = s_i[g]
                 d = i + x - s_node0[g]
                 out_tok[r] = top_id[d - 1, s_r[g] if d == i else 0]
