@@ -7,12 +7,12 @@ their times mean anything, and the real kernels' output is checked against the r
     stats   the served topk_stats              filter    the served topk_filter (after a served topk_stats)
     s_empty returns at entry (launch + ramp)    f_empty   returns at entry
     s_loop  only the load / max / exp /         f_notail  no last-block select and sort (the last block only
-            histogram loop (returns after it)             resets the counters)
-                                              f_nofence no threadfence before the last-block count
-    s_nohist  no shared histogram atomics
+            histogram loop (returns after it)             resets the counters and the histogram)
+    s_nohist  no shared histogram atomics      f_nofence no threadfence before the last-block count
     s_noexp   no fp64 exp (s += x)
     s_noflush no flush of the histogram to global memory
-    s_notail  no last-block lse / bin search (the last block only resets `done`)
+The filter reads the histograms stats leaves and its last block zeroes them, so every filter variant is timed
+after the served stats in one graph, less the served stats alone.
 
 Usage (GPU): python bench/topk_ablate.py [--out FILE.json]"""
 import argparse
@@ -32,7 +32,7 @@ from topk_probe import topk_exact, topk_launches  # noqa: E402
 SRC = os.path.join(HERE, "..", "optimized", "kernels", "tree_topk.py")
 CASES = [("normal", 7, 16), ("normal", 15, 16), ("normal", 15, 256), ("normal", 15, 1024)]
 
-_STATS_ENTRY = "    p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x\n    T = cuda.blockDim.x if SIM else TOPK_T\n    nparts = cuda.gridDim.x\n    wm ="
+_STATS_ENTRY = "    p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x\n    T = cuda.blockDim.x if SIM else TOPK_T\n    wm ="
 _FILTER_ENTRY = "    p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x\n    T = cuda.blockDim.x if SIM else TOPK_T\n    lane = tid % WARP\n"
 PATCHES = {
     "s_empty": [(_STATS_ENTRY, _STATS_ENTRY.replace("    wm =", "    if row >= 0:\n        return\n    wm ="))],
@@ -43,12 +43,10 @@ PATCHES = {
     "s_noexp": [("            s *= exp_le0(m - mn, tab) if m > -math.inf else 0.0\n", "            s *= 0.5\n"),
                 ("                s += exp_le0(np.float64(vals[j]) - mn, tab)", "                s += np.float64(vals[j])")],
     "s_noflush": [("            cuda.atomic.add(hist, (row, i), c)\n", "            sh[NB] = c\n")],
-    "s_notail": [("    if flag[0] == 0:\n        return\n",
-                  "    if flag[0] == 0:\n        return\n    if tid == 0:\n        done[row] = 0\n    return\n")],
     "f_empty": [(_FILTER_ENTRY, _FILTER_ENTRY + "    if row >= 0:\n        return\n")],
-    "f_notail": [("    if shr[0] == 0:\n        return\n    n = np.int64(counters[row, 0])\n",
-                  "    if shr[0] == 0:\n        return\n    if tid == 0:\n        counters[row, 0] = 0\n"
-                  "        counters[row, 1] = 0\n    return\n    n = np.int64(counters[row, 0])\n")],
+    "f_notail": [("    n = np.int64(counters[row, 0])\n    if whole or n > CAP",
+                  "    if tid == 0:\n        counters[row, 0] = 0\n        counters[row, 1] = 0\n    return\n"
+                  "    n = np.int64(counters[row, 0])\n    if whole or n > CAP")],
     "f_nofence": [("    cuda.threadfence()\n    cuda.syncthreads()\n    if tid == 0:\n        last = cuda.atomic.add(counters",
                    "    cuda.syncthreads()\n    if tid == 0:\n        last = cuda.atomic.add(counters")],
 }
@@ -86,14 +84,17 @@ def main() -> None:
         exact = topk_exact(ws, x, k)
         row = dict(kind=kind, L=depth, budget=budget, parts=ws.parts, chunk=ws.chunk,
                    threads=opt.DEFAULT_CONFIG.topk_threads, exact=exact,
-                   stats=round(graph_us(stats), 2), filter=round(graph_us(filt), 2),
-                   topk=round(graph_us(lambda: (stats(), filt())), 2))
+                   stats=round(graph_us(stats), 2))
+        ws.hist.zero_()             # stats alone added into the histograms that only the filter zeroes
+        row["topk"] = round(graph_us(lambda: (stats(), filt())), 2)
+        row["filter"] = round(row["topk"] - row["stats"], 2)
         for name, mod in mods.items():
             if name.startswith("s_"):
                 row[name] = round(graph_us(lambda m=mod: stats(m)), 2)
             else:
-                stats()             # the served stats first: lse and sel as the filter expects them
-                row[name] = round(graph_us(lambda m=mod: filt(m)), 2)
+                row[name] = round(graph_us(lambda m=mod: (stats(), filt(m))) - row["stats"], 2)
+            ws.hist.zero_()         # a variant may leave the histograms (f_empty: never zeroed) dirty
+            ws.counters.zero_()
         # the ablations leave the workspace's counters and histogram dirty: a fresh one for the next case
         opt._workspaces.clear()
         rows.append(row)

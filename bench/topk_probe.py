@@ -1,5 +1,6 @@
 """Probe: where the GPU tree build's time goes, per kernel and per timer. For each (kind, L, budget) it times
-torch.amax over the logits (a one-kernel read of the same bytes), the top-K's two launches alone and together,
+torch.amax over the logits (a one-kernel read of the same bytes), the top-K's first launch alone and both together
+(the second, which reads the first's histograms and zeroes them, as the difference),
 the beam, compile_tree and the whole build_tree, with both timers the project uses:
   single  one call between CUDA events after a spin kernel (the tree bench's `device` column)
   graph   20 calls captured in one CUDA graph, median of 15 replays, per call (the A/B scripts' rule)
@@ -32,12 +33,11 @@ def topk_launches(x: torch.Tensor, budget: int):
     xa, a, grid, tpb = opt._arr(x), ws.a, (ws.parts, depth), cfg.topk_threads
 
     def stats(m=opt):
-        m.topk_stats[grid, tpb, opt._stream(x.device)](xa, vocab, ws.chunk, k, a["part_m"], a["part_s"], a["lse"],
-                                                       a["hist"], a["done"], a["sel"])
+        m.topk_stats[grid, tpb, opt._stream(x.device)](xa, vocab, ws.chunk, a["part_m"], a["part_s"], a["hist"])
 
     def filt(m=opt):
-        m.topk_filter[grid, tpb, opt._stream(x.device)](xa, vocab, ws.chunk, k, a["lse"], a["sel"], a["counters"],
-                                                        a["cand"], a["top_lp"], a["top_id"])
+        m.topk_filter[grid, tpb, opt._stream(x.device)](xa, vocab, ws.chunk, k, a["part_m"], a["part_s"], a["hist"],
+                                                        a["counters"], a["cand"], a["top_lp"], a["top_id"])
     return ws, stats, filt
 
 
@@ -65,7 +65,6 @@ def main() -> None:
         fns = {
             "amax": lambda: torch.amax(x, dim=1),
             "stats": stats,
-            "filter": filt,
             "topk": lambda: (stats(), filt()),
             "beam": lambda: opt._beam_stage(k, budget, ws, cfg, s(), *outs),
             "compile": lambda: opt.compile_tree(tree, 1, 100),
@@ -80,6 +79,10 @@ def main() -> None:
         for name, fn in fns.items():
             row[f"{name}_single"] = round(event_median(fn, ahead=True) * 1e6, 1)
             row[f"{name}_graph"] = round(graph_us(fn), 1)
+            if name == "stats":       # stats alone adds into the row histograms that only the filter zeroes
+                ws.hist.zero_()
+        for timer in ("single", "graph"):   # the filter reads what stats leaves: it is priced as the difference
+            row[f"filter_{timer}"] = round(row[f"topk_{timer}"] - row[f"stats_{timer}"], 1)
         rows.append(row)
     names = ["amax", "stats", "filter", "topk", "beam", "compile", "build", "build+compile"]
     print_table("us: single call (events) / per call in a 20-call graph",

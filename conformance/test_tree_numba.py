@@ -215,10 +215,9 @@ from optimized.kernels import tree_shallow as Sh
 A = lambda dt, nd: types.Array(dt, nd, "C")
 i64, f32, f64, i32, i16 = types.int64, types.float32, types.float64, types.int32, types.int16
 kernels = {
-    "topk_stats": (K.topk_stats, (A(f32, 2), i64, i64, i64, A(f64, 2), A(f64, 2), A(f64, 1), A(i32, 2),
-                                  A(i32, 1), A(i64, 2))),
-    "topk_filter": (K.topk_filter, (A(f32, 2), i64, i64, i64, A(f64, 1), A(i64, 2), A(i32, 2), A(i64, 2),
-                                    A(f32, 2), A(i64, 2))),
+    "topk_stats": (K.topk_stats, (A(f32, 2), i64, i64, A(f64, 2), A(f64, 2), A(i32, 2))),
+    "topk_filter": (K.topk_filter, (A(f32, 2), i64, i64, i64, A(f64, 2), A(f64, 2), A(i32, 2), A(i32, 2),
+                                    A(i64, 2), A(f32, 2), A(i64, 2))),
     "compile_rows": (V.compile_rows, (A(i64, 1),) * 4 + (i64, i64) + (A(i64, 1),) * 4
                      + (A(types.boolean, 2), A(i32, 2))),
     "follow": (V.follow, (A(i64, 1),) * 6),

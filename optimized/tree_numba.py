@@ -163,10 +163,7 @@ class _Workspace:
         z = dict(device=device)
         self.part_m = torch.empty(depth, self.parts, dtype=torch.float64, **z)
         self.part_s = torch.empty(depth, self.parts, dtype=torch.float64, **z)
-        self.lse = torch.empty(depth, dtype=torch.float64, **z)
         self.hist = torch.zeros(depth, NB, dtype=torch.int32, **z)
-        self.done = torch.zeros(depth, dtype=torch.int32, **z)
-        self.sel = torch.zeros(depth, 2, dtype=torch.int64, **z)
         self.counters = torch.zeros(depth, 2, dtype=torch.int32, **z)
         self.cand = torch.empty(depth, CAP, dtype=torch.int64, **z)
         self.top_lp = torch.empty(depth, k, dtype=torch.float32, **z)
@@ -175,7 +172,7 @@ class _Workspace:
         nodes = scratch_nodes(budget) if cfg.beam == "threshold" else 1     # the threshold beam's buffer
         self.thresh_ints = torch.empty(SCRATCH_ROWS, nodes, dtype=torch.int32, **z)
         self.thresh_stats = torch.zeros(STATS, dtype=torch.int32, **z)     # tree_thresh.STATS
-        names = ("part_m", "part_s", "lse", "hist", "done", "sel", "counters", "cand", "top_lp", "top_id", "count",
+        names = ("part_m", "part_s", "hist", "counters", "cand", "top_lp", "top_id", "count",
                  "thresh_ints", "thresh_stats")
         self.a = {name: _arr(getattr(self, name)) for name in names}
 
@@ -195,11 +192,10 @@ def _workspace(device, depth, vocab, k, budget, cfg) -> _Workspace:
 def _topk_stage(x, vocab: int, k: int, ws: _Workspace, cfg: Config, s) -> None:
     """Two launches: ws.top_lp / ws.top_id [L, K] = the per-depth candidates by rank."""
     a = ws.a
-    grid, tpb = (ws.parts, a["lse"].shape[0]), cfg.topk_threads
-    topk_stats[grid, tpb, s](x, vocab, ws.chunk, k, a["part_m"], a["part_s"], a["lse"], a["hist"], a["done"],
-                             a["sel"])
-    topk_filter[grid, tpb, s](x, vocab, ws.chunk, k, a["lse"], a["sel"], a["counters"], a["cand"], a["top_lp"],
-                              a["top_id"])
+    grid, tpb = (ws.parts, a["hist"].shape[0]), cfg.topk_threads
+    topk_stats[grid, tpb, s](x, vocab, ws.chunk, a["part_m"], a["part_s"], a["hist"])
+    topk_filter[grid, tpb, s](x, vocab, ws.chunk, k, a["part_m"], a["part_s"], a["hist"], a["counters"], a["cand"],
+                              a["top_lp"], a["top_id"])
 
 
 def _beam_stage(k: int, budget: int, ws: _Workspace, cfg: Config, s, tokens, depths, parents, scores) -> None:

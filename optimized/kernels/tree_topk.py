@@ -5,18 +5,18 @@ Launch geometry: grid (P chunks, L rows), T threads per block; a chunk is C cons
 read in sub-chunks of T * EPT (each thread loads its EPT values unrolled, so the loads are in flight together).
 Two launches:
     topk_stats    per chunk: max and sum exp(x - max) in fp64 (online per sub-chunk: one exp per element, by
-                  tree_device.exp_le0, plus one per sub-chunk), and a 4096-bin histogram of the top 12 bits of each
-                  logit's sortable key. The last block of the row (atomic counter) combines the chunks in a fixed
-                  order into lse[row] (deterministic), finds the bucket b holding the K-th largest logit, and zeroes
-                  the row's histogram for the next call.
-    topk_filter   per chunk: every token with x >= lo(b) - band is a candidate (band: a few fp32 ulps of |x - lse|
+                  tree_device.exp_le0, plus one per sub-chunk) into the row's partials, and a 4096-bin histogram of
+                  the top 12 bits of each logit's sortable key, added into the row's. No block waits for another.
+    topk_filter   every block first combines the row's partials in a fixed order into lse (the same bits in every
+                  block) and finds the bin b holding the K-th largest logit, in parallel. Then per chunk: every
+                  token with x >= lo(b) - band is a candidate (band: a few fp32 ulps of |x - lse|
                   plus the 2^-28 grid, so every token whose grid log-prob can equal the K-th largest one is in);
                   its composite key (sortable(lp) - 2^31) << 32 | (2^32 - 1 - id) -- larger is better, unique -- goes
                   to the block's list in shared memory, then (one global atomic a block reserves the slots) to the
                   row's candidate list. The last block of the row ranks its (at most CAP) candidates by
                   a bucket sort (bucket_rank: buckets by a monotone map of the log-prob, then a count of the larger
-                  keys in the key's own bucket; a few barriers, no sort network) and writes lp and ids of ranks < K.
-                  When the candidates overflow CAP (tie-heavy rows: equal, integer, collapsing logits) or lo(b) is
+                  keys in the key's own bucket; a few barriers, no sort network) and writes lp and ids of ranks < K,
+                  then zeroes the row's histogram and counters for the next call. When the candidates overflow CAP (tie-heavy rows: equal, integer, collapsing logits) or lo(b) is
                   not usable (-inf, the -2^21 floor), it radix-selects the K-th largest key over the whole row,
                   recomputing each token's key per pass, and sorts the K keys above it with a bitonic network
                   (tree_device.pair_sort; exact, slow, tie-heavy rows only).
@@ -35,7 +35,8 @@ import os
 import numpy as np
 from numba import cuda
 
-from .tree_device import (DEVICE, EXP_TAB, KERNEL, LP_FLOOR, SIM, TBUF, WARP, ballot, buckets_above, exp_le0,
+from .tree_device import (DEVICE, EXP_TAB, KERNEL, LP_FLOOR, SIM, TBUF, WARP, ballot, block_scan, buckets_above,
+                          exp_le0,
                           f32_bits, find_bin_for, grid_log_prob, key_value, pair_sort, shfl_idx, shfl_xor,
                           sortable_key)
 
@@ -142,19 +143,14 @@ find_bin = find_bin_for(0 if SIM else TOPK_T)   # (the simulator's blocks come i
 
 
 @cuda.jit(**TOPK_JIT)
-def topk_stats(x, vocab, chunk, k, part_m, part_s, lse, hist, done, sel):
+def topk_stats(x, vocab, chunk, part_m, part_s, hist):
     p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
     T = cuda.blockDim.x if SIM else TOPK_T
-    nparts = cuda.gridDim.x
     wm = cuda.shared.array(WARP, np.float64)
     ws = cuda.shared.array(WARP, np.float64)
     fbuf = cuda.shared.array(TBUF, np.float64)
     sh = cuda.shared.array(NB1, np.int32)          # NB bins and a spare one for padding
     tab = cuda.shared.array(64, np.float64)        # exp_le0's 2^(j/64)
-    tmp = cuda.shared.array(32, np.int64)
-    buf = cuda.shared.array(TBUF, np.int64)
-    flag = cuda.shared.array(1, np.int32)
-    shr = cuda.shared.array(2, np.int64)
     vals = cuda.local.array(EPT, np.float32)
     nxt = cuda.local.array(EPT, np.float32)
     for i in range(tid, NB1, T):
@@ -193,20 +189,17 @@ def topk_stats(x, vocab, chunk, k, part_m, part_s, lse, hist, done, sel):
         c = sh[i]
         if c != 0:
             cuda.atomic.add(hist, (row, i), c)
-    cuda.syncthreads()
     if tid == 0:
         part_m[row, p] = bm
         part_s[row, p] = bs
-        cuda.threadfence()
-        last = cuda.atomic.add(done, row, 1) == nparts - 1
-        if last:
-            cuda.threadfence()                   # the reader's side: one thread, then the barrier
-        flag[0] = 1 if last else 0
-    cuda.syncthreads()
-    if flag[0] == 0:
-        return
-    # Last block of the row: lse over the chunks, each thread folding its slots in order, then block_max_sum (the
-    # bits do not depend on which block came last)
+
+
+@cuda.jit(**DEVICE)
+def row_lse(part_m, part_s, row, nparts, wm, ws, fbuf):
+    """The row's lse from its chunks' (max, sum exp) partials: each thread folds its slots in order, then
+    block_max_sum. Every block of the row computes the same bits (fixed order, whatever the timing)."""
+    tid = cuda.threadIdx.x
+    T = cuda.blockDim.x if SIM else TOPK_T
     m = -math.inf
     s = 0.0
     for q in range(tid, nparts, T):
@@ -216,18 +209,34 @@ def topk_stats(x, vocab, chunk, k, part_m, part_s, lse, hist, done, sel):
             s = (s * math.exp(m - mn) if m > -math.inf else 0.0) + part_s[row, q] * math.exp(mq - mn)
             m = mn
     bm, bs = block_max_sum(m, s, wm, ws, fbuf)
-    if tid == 0:
-        lse[row] = bm + math.log(bs)
-        done[row] = 0
-    for i in range(tid, NB, T):                 # the row's histogram into shared memory, every load in flight at
-        sh[i] = hist[row, i]                    # once (find_bin's runs over global memory waited on each load)
-    for i in range(tid, NB, T):                 # clean for the next call
-        hist[row, i] = 0
+    return bm + math.log(bs)
+
+
+@cuda.jit(**DEVICE)
+def row_cut_bin(hist, row, k, tmp, buf, shr):
+    """(b, n): the histogram bin b of hist[row] holding the k-th largest logit and the n tokens in bins >= b. Each
+    thread sums its run of NB / T bins (counted from the top; the loads all in flight at once), one block scan finds
+    the run, and its thread walks it again (the same lines, from L1) to the bin. shr: shared int64 [>= 2]."""
+    tid = cuda.threadIdx.x
+    T = cuda.blockDim.x if SIM else TOPK_T
+    per = NB // T
+    top = NB - 1 - tid * per
+    loc = np.int64(0)
+    for q in range(per):
+        loc += hist[row, top - q]
+    before, _ = block_scan(loc, tmp, buf)
+    if before < k <= before + loc:
+        cum = before
+        for q in range(per):
+            cum += hist[row, top - q]
+            if cum >= k:
+                shr[0] = top - q
+                shr[1] = cum
+                break
     cuda.syncthreads()
-    b, kr = find_bin(sh, NB, k, tmp, buf, shr)
-    if tid == 0:
-        sel[row, 0] = b
-        sel[row, 1] = k - kr + sh[b]            # tokens in bins >= b
+    b, n = shr[0], shr[1]
+    cuda.syncthreads()
+    return b, n
 
 
 @cuda.jit(**DEVICE)
@@ -357,7 +366,7 @@ def bucket_rank(cand, row, n, k, grp, cnt, tmp, buf, shr, top_lp, top_id):
 
 
 @cuda.jit(**TOPK_JIT)
-def topk_filter(x, vocab, chunk, k, lse, sel, counters, cand, top_lp, top_id):
+def topk_filter(x, vocab, chunk, k, part_m, part_s, hist, counters, cand, top_lp, top_id):
     p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
     T = cuda.blockDim.x if SIM else TOPK_T
     lane = tid % WARP
@@ -370,25 +379,30 @@ def topk_filter(x, vocab, chunk, k, lse, sel, counters, cand, top_lp, top_id):
     buf = cuda.shared.array(TBUF, np.int64)
     shr = cuda.shared.array(2, np.int64)
     nb = cuda.shared.array(1, np.int32)                     # the block's candidates so far
+    wm = cuda.shared.array(WARP, np.float64)
+    ws = cuda.shared.array(WARP, np.float64)
+    fbuf = cuda.shared.array(TBUF, np.float64)
     vals = cuda.local.array(EPT, np.float32)
     nxt = cuda.local.array(EPT, np.float32)
+    xr = x[row]
+    lo = p * chunk
+    hi = min(vocab, lo + chunk)
+    if lo < hi:                                             # the first sub-chunk is in flight during the prologue
+        load_values(xr, lo, hi - lo, nxt)
+    # Every block finds the row's lse and cut bin itself, in parallel: no block of topk_stats waits for the others
+    # (a last block's serial tail there cost ~5 us, bench/results/tree_2026-12-02.md, stop 39)
     if tid == 0:
         nb[0] = 0
-    cuda.syncthreads()
-    ls = lse[row]
-    lo_x = key_value(sel[row, 0] << SHIFT0)                     # smallest value of bin b
+    ls = row_lse(part_m, part_s, row, nparts, wm, ws, fbuf)
+    b, above = row_cut_bin(hist, row, k, tmp, buf, shr)     # (its barriers also publish nb[0])
+    lo_x = key_value(b << SHIFT0)                           # smallest value of bin b
     lo_lp = grid_log_prob(lo_x, ls)
-    whole = sel[row, 1] > CAP or not (lo_lp > LP_FLOOR) or not (abs(lo_x) < math.inf)
+    whole = above > CAP or not (lo_lp > LP_FLOOR) or not (abs(lo_x) < math.inf)
     cut = np.float64(lo_x) - (abs(np.float64(lo_x) - ls) + 1.0) * 4.76837158203125e-07   # 2^-21 band
     # an fp32 threshold at or below cut (within a few ulps: a candidate more or less is harmless, a missed one
     # is not): x >= cut implies x >= cut32, compared in fp32 (no fp64 conversion per logit)
     cut32 = np.float32(cut - (abs(cut) * 2.384185791015625e-07 + 1e-30))
     if not whole:
-        xr = x[row]
-        lo = p * chunk
-        hi = min(vocab, lo + chunk)
-        if lo < hi:
-            load_values(xr, lo, hi - lo, nxt)
         for base in range(lo, hi, T * EPT):
             lim = hi - base
             for j in range(EPT):
@@ -431,6 +445,8 @@ def topk_filter(x, vocab, chunk, k, lse, sel, counters, cand, top_lp, top_id):
     cuda.syncthreads()
     if shr[0] == 0:
         return
+    for i in range(tid, NB, T):                 # every block has read the histogram: clean it for the next call
+        hist[row, i] = 0
     n = np.int64(counters[row, 0])
     if whole or n > CAP or n > RPT * T:
         thr = radix_select(vocab, k, x, row, ls, bins, tmp, buf, shr)
