@@ -13,13 +13,15 @@ Two launches:
                   plus the 2^-28 grid, so every token whose grid log-prob can equal the K-th largest one is in);
                   its composite key (sortable(lp) - 2^31) << 32 | (2^32 - 1 - id) -- larger is better, unique -- goes
                   to the block's list in shared memory, then (one global atomic a block reserves the slots) to the
-                  row's candidate list. The last block of the row ranks its (at most CAP) candidates by
-                  a bucket sort (bucket_rank: buckets by a monotone map of the log-prob, then a count of the larger
-                  keys in the key's own bucket; a few barriers, no sort network) and writes lp and ids of ranks < K,
-                  then zeroes the row's histogram and counters for the next call. When the candidates overflow CAP (tie-heavy rows: equal, integer, collapsing logits) or lo(b) is
-                  not usable (-inf, the -2^21 floor), it radix-selects the K-th largest key over the whole row,
-                  recomputing each token's key per pass, and sorts the K keys above it with a bitonic network
-                  (tree_device.pair_sort; exact, slow, tie-heavy rows only).
+                  row's candidate list. The last block of the row ranks its (at most CAP) candidates, each by a
+                  count of the larger keys (count_rank, up to SMALL_RANK of them) or by a bucket sort (bucket_rank:
+                  buckets by a monotone map of the log-prob, then a count of the larger keys in the key's own
+                  bucket; a few barriers, no sort network), writes lp and ids of ranks < K, and zeroes the row's
+                  histogram and counters for the next call. When the candidates overflow CAP (tie-heavy rows:
+                  equal, integer, collapsing logits) or lo(b) is not usable (-inf, the -2^21 floor), it
+                  radix-selects the K-th largest key over the whole row, recomputing each token's key per pass, and
+                  sorts the K keys above it with a bitonic network (tree_device.pair_sort; exact, slow, tie-heavy
+                  rows only).
 Exactness: lp(x) = grid(fp32(x - lse)) is non-decreasing in x, so every token with lp >= lp_K (lp_K the
 log-prob of the K-th largest logit x_K >= lo(b)) has x >= lo(b) - band; the candidates therefore hold the top K.
 Per logit (sm_90 SASS): stats ~5 integer instructions for the bin, one shared atomic, ~14 fp64 for the exp (no
@@ -48,6 +50,7 @@ CAP = 64 if SIM else 4096   # candidates selected in shared memory (more: the wh
 PMAX = 128           # most chunks per row
 RB = 256             # radix bins of the final select (8-bit digits)
 NBK = 64 if SIM else 2048      # buckets of the final rank (bucket_rank); a multiple of the block
+SMALL_RANK = 256     # at most this many candidates (and one a thread): count_rank instead of bucket_rank
 LOW = 0xFFFFFFFF     # composite key: high word sortable(lp) - 2^31, low word LOW - id
 NEG = -(2 ** 63)     # sorts after every composite key
 # The block on the GPU (a compile-time constant there: strided loops need no division) and the blocks per SM that
@@ -365,6 +368,26 @@ def bucket_rank(cand, row, n, k, grp, cnt, tmp, buf, shr, top_lp, top_id):
     cuda.syncthreads()
 
 
+@cuda.jit(**DEVICE)
+def count_rank(cand, row, n, k, sk, top_lp, top_id):
+    """Rank r < k of each of the row's n <= blockDim distinct candidate keys (cand[row, :n]) written to top_lp /
+    top_id[row, r], by counting the larger keys: a key a thread, all n read from shared memory sk (one address across
+    the warp: a broadcast). One barrier, where bucket_rank takes about eight: for the few candidates of small K."""
+    tid = cuda.threadIdx.x
+    key = np.int64(NEG)
+    if tid < n:
+        key = cand[row, tid]
+        sk[tid] = key
+    cuda.syncthreads()
+    if tid < n:
+        r = 0
+        for j in range(n):
+            if sk[j] > key:
+                r += 1
+        if r < k:
+            write_top(key, r, row, top_lp, top_id)
+
+
 @cuda.jit(**TOPK_JIT)
 def topk_filter(x, vocab, chunk, k, part_m, part_s, hist, counters, cand, top_lp, top_id):
     p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
@@ -461,6 +484,8 @@ def topk_filter(x, vocab, chunk, k, part_m, part_s, hist, counters, cand, top_lp
         sort_keys(keys, comp, k, NEG, buf)
         for r in range(tid, k, T):
             write_top(keys[r], r, row, top_lp, top_id)
+    elif n <= T and n <= SMALL_RANK:
+        count_rank(cand, row, n, k, keys, top_lp, top_id)
     else:   # (bucket_rank's thread 0 overwrites shr[0], the flag, with a nonzero value while others may still read
             # it: harmless, as every thread that reaches this point read or will read a nonzero flag)
         bucket_rank(cand, row, n, k, keys, cnt, tmp, buf, shr, top_lp, top_id)
