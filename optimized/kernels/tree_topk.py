@@ -57,7 +57,7 @@ NEG = -(2 ** 63)     # sorts after every composite key
 # keep the grid one wave (WAVE_BLOCKS, registers <= 64). 1024: the row's last block sorts its candidates with a
 # thread per key; bench/results/tree_run14/README.md (H100): top-K 38.7 / 51.6 / 74.0 us at L = 15, K = 16 / 256
 # / 1024 against 42.8 / 63.3 / 94.7 with 256 threads, the same at L = 7. DDTREE_TOPK_THREADS (256, 512, 1024; read
-# at import) keeps the A/B possible (bench/topk_probe.py, bench/topk_ab_run.sh).
+# at import) keeps the A/B possible (bench/topk_probe.py).
 TOPK_T = int(os.environ.get("DDTREE_TOPK_THREADS", "1024"))
 if TOPK_T not in (256, 512, 1024):
     raise ValueError(f"DDTREE_TOPK_THREADS must be 256, 512 or 1024, got {TOPK_T}")
