@@ -198,14 +198,13 @@ def topk_stats(x, vocab, chunk, part_m, part_s, hist):
 
 
 @cuda.jit(**DEVICE)
-def row_lse(part_m, part_s, row, nparts, wm, ws, fbuf):
-    """The row's lse from its chunks' (max, sum exp) partials: each thread folds its slots in order, then
-    block_max_sum. Every block of the row computes the same bits (fixed order, whatever the timing)."""
+def row_lse(part_m, part_s, row, nparts, m, s, wm, ws, fbuf):
+    """The row's lse from its chunks' (max, sum exp) partials: each thread folds its slots in order (the first, slot
+    tid, already loaded as m, s: -inf, 0 where tid >= nparts), then block_max_sum. Every block of the row computes the
+    same bits (fixed order, whatever the timing)."""
     tid = cuda.threadIdx.x
     T = cuda.blockDim.x if SIM else TOPK_T
-    m = -math.inf
-    s = 0.0
-    for q in range(tid, nparts, T):
+    for q in range(tid + T, nparts, T):
         mq = part_m[row, q]
         mn = max(m, mq)
         if mn > -math.inf:
@@ -216,17 +215,25 @@ def row_lse(part_m, part_s, row, nparts, wm, ws, fbuf):
 
 
 @cuda.jit(**DEVICE)
-def row_cut_bin(hist, row, k, tmp, buf, shr):
-    """(b, n): the histogram bin b of hist[row] holding the k-th largest logit and the n tokens in bins >= b. Each
-    thread sums its run of NB / T bins (counted from the top; the loads all in flight at once), one block scan finds
-    the run, and its thread walks it again (the same lines, from L1) to the bin. shr: shared int64 [>= 2]."""
-    tid = cuda.threadIdx.x
+def run_sum(hist, row):
+    """The tokens in this thread's run of NB / T histogram bins (counted from the top; the loads all in flight)."""
     T = cuda.blockDim.x if SIM else TOPK_T
     per = NB // T
-    top = NB - 1 - tid * per
+    top = NB - 1 - cuda.threadIdx.x * per
     loc = np.int64(0)
     for q in range(per):
         loc += hist[row, top - q]
+    return loc
+
+
+@cuda.jit(**DEVICE)
+def cut_bin(hist, row, k, loc, tmp, buf, shr):
+    """(b, n): the histogram bin b of hist[row] holding the k-th largest logit and the n tokens in bins >= b, from
+    each thread's run_sum: one block scan finds the run, and its thread walks it again (the same lines, from L1) to
+    the bin. shr: shared int64 [>= 2]."""
+    T = cuda.blockDim.x if SIM else TOPK_T
+    per = NB // T
+    top = NB - 1 - cuda.threadIdx.x * per
     before, _ = block_scan(loc, tmp, buf)
     if before < k <= before + loc:
         cum = before
@@ -416,8 +423,12 @@ def topk_filter(x, vocab, chunk, k, part_m, part_s, hist, counters, cand, top_lp
     # (a last block's serial tail there cost ~5 us, bench/results/tree_2026-12-02.md, stop 39)
     if tid == 0:
         nb[0] = 0
-    ls = row_lse(part_m, part_s, row, nparts, wm, ws, fbuf)
-    b, above = row_cut_bin(hist, row, k, tmp, buf, shr)     # (its barriers also publish nb[0])
+    # every load of the prologue goes out before its first barrier: the partials' first slot, the histogram run
+    m0 = part_m[row, tid] if tid < nparts else -math.inf
+    s0 = part_s[row, tid] if tid < nparts else 0.0
+    loc = run_sum(hist, row)
+    ls = row_lse(part_m, part_s, row, nparts, m0, s0, wm, ws, fbuf)
+    b, above = cut_bin(hist, row, k, loc, tmp, buf, shr)    # (its barriers also publish nb[0])
     lo_x = key_value(b << SHIFT0)                           # smallest value of bin b
     lo_lp = grid_log_prob(lo_x, ls)
     whole = above > CAP or not (lo_lp > LP_FLOOR) or not (abs(lo_x) < math.inf)
