@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One GPU call for a top-K change (issue 5): bench/topk_probe.py on earlier trees and on this one in the same call
-# (same card, same process conditions), then on this tree the tree GPU conformance, the tree bench, ncu profiles of
-# the tree kernels and the engine GPU conformance, each in the time left. Results are packed into $OUT/r.tgz after
+# One GPU call for a top-K change (issue 5): this tree's tree GPU conformance, then bench/topk_probe.py on earlier
+# trees and on this one in the same call (same card, same process conditions), then on this tree the tree bench, ncu
+# profiles of the tree kernels and the engine GPU conformance, each in the time left. Results are packed into $OUT/r.tgz after
 # every step (a call cut at its limit still returns what it finished).
 # Earlier trees: `git archive` copies under .ab/<name>/ (list .ab/ in .git/info/exclude and carry it), e.g.
 #   for nc in base:d91139d mid:4d65d24; do mkdir -p .ab/${nc%%:*}; git archive ${nc#*:} optimized reference \
@@ -23,18 +23,17 @@ left() { echo $(( ${TOTAL:-580} - ($(date +%s) - T0) )); }
   echo "commit $DDTREE_COMMIT; earlier trees: $(ls .ab 2>/dev/null | tr '\n' ' ')"
 } > "$R/gpu.txt" 2>&1
 cat "$R/gpu.txt"; pack
+q="-q -p no:cacheprovider --tb=short"
+timeout ${TEST_TIMEOUT:-170} python3 -m pytest conformance/test_tree_numba.py -k gpu $q -rP > "$R/tree_tests.txt" 2>&1
+el "tree conformance rc=$?"; grep -E "passed|failed|FAILED" "$R/tree_tests.txt" | tail -4; pack
 for d in .ab/* .; do
   [ -d "$d/optimized" ] || continue
   name=$([ "$d" = . ] && echo new || basename "$d")
   (cd "$d" && timeout ${PROBE_TIMEOUT:-100} python3 bench/topk_probe.py --out "$R/probe_$name.json" > "$R/probe_$name.txt" 2>&1)
   el "probe $name rc=$?"; pack
 done
-q="-q -p no:cacheprovider --tb=short"
-timeout ${TEST_TIMEOUT:-170} python3 -m pytest conformance/test_tree_numba.py -k gpu $q -rP > "$R/tree_tests.txt" 2>&1
-el "tree conformance rc=$?"; grep -E "passed|failed|FAILED" "$R/tree_tests.txt" | tail -4; pack
-DDTREE_BENCH_OUT=$R timeout $(( $(left) > 170 ? 170 : $(left) )) python3 -m pytest bench/test_bench_tree.py $q \
-  > "$R/tree_bench.txt" 2>&1
-el "tree bench rc=$?"; pack
+[ "$(left)" -gt 30 ] && DDTREE_BENCH_OUT=$R timeout $(( $(left) > 170 ? 170 : $(left) )) python3 -m pytest \
+  bench/test_bench_tree.py $q > "$R/tree_bench.txt" 2>&1; el "tree bench rc=$?"; pack
 [ "$(left)" -gt 60 ] && NCU_TIMEOUT=$(( $(left) > 100 ? 70 : $(left) - 30 )) OUT=$R bash bench/tree_ncu.sh "15 16 normal" \
   > "$R/ncu.txt" 2>&1 && el "ncu done"; pack
 [ "$(left)" -gt 60 ] && timeout $(( $(left) - 10 )) python3 -m pytest conformance/test_engine.py -m gpu $q -rP \
