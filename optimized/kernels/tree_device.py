@@ -201,22 +201,29 @@ def buckets_above(cnt, nbk, per, tmp, buf):
 _find_bins: dict = {}
 
 
-def find_bin_for(T: int):
-    """Device function find_bin(bins, nbins, k, tmp, buf, shr) for blocks of T threads (0: cuda.blockDim.x, read at
-    run time): (b, r), the bin of bins[:nbins] holding the k-th largest item (1-based, counted from the top bin) and
-    k's rank inside it. Each thread sums a run of bins, one block scan finds the run, its thread the bin. shr: shared
-    int64 [>= 2]."""
+def bin_runs_for(T: int):
+    """(run_sum, find_in_runs): find_bin's two halves for blocks of T threads (0: cuda.blockDim.x, read at run time),
+    for a caller that issues run_sum's loads before barriers of its own (tree_topk's filter prologue):
+        run_sum(bins, nbins) -> the total of this thread's run of ceil(nbins / T) bins, counted from the top bin
+        find_in_runs(bins, nbins, k, local, tmp, buf, shr) -> (b, r) as find_bin, from every thread's run_sum."""
     if T in _find_bins:
-        return _find_bins[T]
+        return _find_bins[T][1:]
 
     @cuda.jit(**DEVICE)
-    def find_bin(bins, nbins, k, tmp, buf, shr):
+    def run_sum(bins, nbins):
         tid = cuda.threadIdx.x
         nt = T if T > 0 else cuda.blockDim.x
         per = (nbins + nt - 1) // nt
         local = np.int64(0)
         for q in range(tid * per, min(nbins, (tid + 1) * per)):
             local += bins[nbins - 1 - q]
+        return local
+
+    @cuda.jit(**DEVICE)
+    def find_in_runs(bins, nbins, k, local, tmp, buf, shr):
+        tid = cuda.threadIdx.x
+        nt = T if T > 0 else cuda.blockDim.x
+        per = (nbins + nt - 1) // nt
         before, _ = block_scan(local, tmp, buf)
         if before < k <= before + local:
             cum = before
@@ -232,8 +239,21 @@ def find_bin_for(T: int):
         cuda.syncthreads()
         return b, r
 
-    _find_bins[T] = find_bin
-    return find_bin
+    @cuda.jit(**DEVICE)
+    def find_bin(bins, nbins, k, tmp, buf, shr):
+        return find_in_runs(bins, nbins, k, run_sum(bins, nbins), tmp, buf, shr)
+
+    _find_bins[T] = (find_bin, run_sum, find_in_runs)
+    return run_sum, find_in_runs
+
+
+def find_bin_for(T: int):
+    """Device function find_bin(bins, nbins, k, tmp, buf, shr) for blocks of T threads (0: cuda.blockDim.x, read at
+    run time): (b, r), the bin of bins[:nbins] holding the k-th largest item (1-based, counted from the top bin) and
+    k's rank inside it. Each thread sums a run of bins, one block scan finds the run, its thread the bin. shr: shared
+    int64 [>= 2]."""
+    bin_runs_for(T)
+    return _find_bins[T][0]
 
 
 @cuda.jit(**DEVICE)

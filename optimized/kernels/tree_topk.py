@@ -37,9 +37,8 @@ import os
 import numpy as np
 from numba import cuda
 
-from .tree_device import (DEVICE, EXP_TAB, KERNEL, LP_FLOOR, SIM, TBUF, WARP, ballot, block_scan, buckets_above,
-                          exp_le0,
-                          f32_bits, find_bin_for, grid_log_prob, key_value, pair_sort, shfl_idx, shfl_xor,
+from .tree_device import (DEVICE, EXP_TAB, KERNEL, LP_FLOOR, SIM, TBUF, WARP, ballot, bin_runs_for, buckets_above,
+                          exp_le0, f32_bits, find_bin_for, grid_log_prob, key_value, pair_sort, shfl_idx, shfl_xor,
                           sortable_key)
 
 NB = 4096            # digit-0 histogram bins: the top 12 bits of the 32-bit sortable key
@@ -143,6 +142,7 @@ def block_max_sum(m, s, wm, ws, fbuf):
 
 
 find_bin = find_bin_for(0 if SIM else TOPK_T)   # (the simulator's blocks come in several sizes)
+run_sum, find_in_runs = bin_runs_for(0 if SIM else TOPK_T)
 
 
 @cuda.jit(**TOPK_JIT)
@@ -212,41 +212,6 @@ def row_lse(part_m, part_s, row, nparts, m, s, wm, ws, fbuf):
             m = mn
     bm, bs = block_max_sum(m, s, wm, ws, fbuf)
     return bm + math.log(bs)
-
-
-@cuda.jit(**DEVICE)
-def run_sum(hist, row):
-    """The tokens in this thread's run of NB / T histogram bins (counted from the top; the loads all in flight)."""
-    T = cuda.blockDim.x if SIM else TOPK_T
-    per = NB // T
-    top = NB - 1 - cuda.threadIdx.x * per
-    loc = np.int64(0)
-    for q in range(per):
-        loc += hist[row, top - q]
-    return loc
-
-
-@cuda.jit(**DEVICE)
-def cut_bin(hist, row, k, loc, tmp, buf, shr):
-    """(b, n): the histogram bin b of hist[row] holding the k-th largest logit and the n tokens in bins >= b, from
-    each thread's run_sum: one block scan finds the run, and its thread walks it again (the same lines, from L1) to
-    the bin. shr: shared int64 [>= 2]."""
-    T = cuda.blockDim.x if SIM else TOPK_T
-    per = NB // T
-    top = NB - 1 - cuda.threadIdx.x * per
-    before, _ = block_scan(loc, tmp, buf)
-    if before < k <= before + loc:
-        cum = before
-        for q in range(per):
-            cum += hist[row, top - q]
-            if cum >= k:
-                shr[0] = top - q
-                shr[1] = cum
-                break
-    cuda.syncthreads()
-    b, n = shr[0], shr[1]
-    cuda.syncthreads()
-    return b, n
 
 
 @cuda.jit(**DEVICE)
@@ -424,11 +389,13 @@ def topk_filter(x, vocab, chunk, k, part_m, part_s, hist, counters, cand, top_lp
     if tid == 0:
         nb[0] = 0
     # every load of the prologue goes out before its first barrier: the partials' first slot, the histogram run
+    hr = hist[row]
     m0 = part_m[row, tid] if tid < nparts else -math.inf
     s0 = part_s[row, tid] if tid < nparts else 0.0
-    loc = run_sum(hist, row)
+    loc = run_sum(hr, NB)
     ls = row_lse(part_m, part_s, row, nparts, m0, s0, wm, ws, fbuf)
-    b, above = cut_bin(hist, row, k, loc, tmp, buf, shr)    # (its barriers also publish nb[0])
+    b, kr = find_in_runs(hr, NB, k, loc, tmp, buf, shr)     # (its barriers also publish nb[0])
+    above = k - kr + hr[b]                                  # tokens in bins >= b
     lo_x = key_value(b << SHIFT0)                           # smallest value of bin b
     lo_lp = grid_log_prob(lo_x, ls)
     whole = above > CAP or not (lo_lp > LP_FLOOR) or not (abs(lo_x) < math.inf)
