@@ -348,7 +348,7 @@ def test_sim_candidate_rank(sim, ranker, pattern, n, kfrac, seed, threads):
     band, two values), at every block size the simulator runs."""
     import numpy as np
     from optimized.kernels import tree_topk as K
-    from optimized.kernels.tree_device import TBUF
+    from optimized.kernels.tree_device import TBUF, WARP
     src = """
 def rank(cand, n, k, top_lp, top_id):
     grp = cuda.shared.array(K.CAP, np.int64)
@@ -363,7 +363,7 @@ def rank(cand, n, k, top_lp, top_id):
 """
     rank = sim_kernel(src, "rank", K=K, TBUF=TBUF, BUCKET=ranker == "bucket_rank")
     if ranker == "count_rank":
-        threads = max(threads, -(-n // 4) * 4)
+        threads = max(threads, -(-n // WARP) * WARP)    # a key a thread, whole warps
     g = torch.Generator().manual_seed(seed)
     if pattern == "spread":
         lps = (-30 * torch.rand(n, generator=g)).tolist()
