@@ -5,7 +5,8 @@
 # every step (a call cut at its limit still returns what it finished).
 # Earlier trees: `git archive` copies under .ab/<name>/ (list .ab/ in .git/info/exclude and carry it), e.g.
 #   for nc in base:d91139d mid:4d65d24; do mkdir -p .ab/${nc%%:*}; git archive ${nc#*:} optimized reference \
-#     conformance bench/*.py | tar x -C .ab/${nc%%:*}; done
+#     conformance bench/*.py | tar x -C .ab/${nc%%:*}; echo ${nc#*:} > .ab/${nc%%:*}/COMMIT; done
+# (each probe JSON's meta.commit is the checkout's; gpu.txt names the commit of each earlier tree from its COMMIT)
 # Usage (repository root, on the GPU machine; set DDTREE_COMMIT where .git is stale): OUT=dir bash bench/topk_ab_run.sh
 set -u
 OUT=${OUT:-/tmp/topk_ab}
@@ -20,7 +21,7 @@ el() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 left() { echo $(( ${TOTAL:-580} - ($(date +%s) - T0) )); }
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,memory.total --format=csv,noheader
   python3 -c "import torch, cupy, numba; print('torch', torch.__version__, 'cupy', cupy.__version__, 'numba', numba.__version__)"
-  echo "commit $DDTREE_COMMIT; earlier trees: $(ls .ab 2>/dev/null | tr '\n' ' ')"
+  echo "commit $DDTREE_COMMIT; earlier trees: $(for d in .ab/*/; do [ -d "$d" ] && echo -n "$(basename "$d")=$(cat "$d/COMMIT" 2>/dev/null || echo ?) "; done)"
 } > "$R/gpu.txt" 2>&1
 cat "$R/gpu.txt"; pack
 q="-q -p no:cacheprovider --tb=short"
