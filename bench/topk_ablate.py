@@ -36,9 +36,9 @@ _STATS_ENTRY = "    p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadI
 _FILTER_ENTRY = "    p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x\n    T = cuda.blockDim.x if SIM else TOPK_T\n    lane = tid % WARP\n"
 PATCHES = {
     "s_empty": [(_STATS_ENTRY, _STATS_ENTRY.replace("    wm =", "    if row >= 0:\n        return\n    wm ="))],
-    "s_loop": [("    bm, bs = block_max_sum(m, s, wm, ws, fbuf)\n    for i in range(tid, NB, T):",
+    "s_loop": [("    bm, bs = block_partial(m, s, wm, ws, fbuf)",
                 "    if s < -1.0:\n        part_s[row, p] = s + sh[tid]\n    return\n"
-                "    bm, bs = block_max_sum(m, s, wm, ws, fbuf)\n    for i in range(tid, NB, T):")],
+                "    bm, bs = block_partial(m, s, wm, ws, fbuf)")],
     "s_nohist": [("            cuda.atomic.add(sh, b, 1)\n", "            sh[NB] = b\n")],
     "s_noexp": [("            s *= exp_le0(m - mn, tab) if m > -math.inf else 0.0\n", "            s *= 0.5\n"),
                 ("                s += exp_le0(np.float64(vals[j]) - mn, tab)", "                s += np.float64(vals[j])")],

@@ -205,7 +205,9 @@ def bin_runs_for(T: int):
     """(run_sum, find_in_runs): find_bin's two halves for blocks of T threads (0: cuda.blockDim.x, read at run time),
     for a caller that issues run_sum's loads before barriers of its own (tree_topk's filter prologue):
         run_sum(bins, nbins) -> the total of this thread's run of ceil(nbins / T) bins, counted from the top bin
-        find_in_runs(bins, nbins, k, local, tmp, buf, shr) -> (b, r) as find_bin, from every thread's run_sum."""
+        find_in_runs(bins, nbins, k, local, tmp, buf, shr) -> (b, r) as find_bin, from every thread's run_sum.
+    The scans are int32 (one shuffle a step; counts stay below 2^31) and the run loops have a constant trip count
+    where T and nbins are constants (unrolled, each bin one predicated load)."""
     if T in _find_bins:
         return _find_bins[T][1:]
 
@@ -214,29 +216,52 @@ def bin_runs_for(T: int):
         tid = cuda.threadIdx.x
         nt = T if T > 0 else cuda.blockDim.x
         per = (nbins + nt - 1) // nt
-        local = np.int64(0)
-        for q in range(tid * per, min(nbins, (tid + 1) * per)):
-            local += bins[nbins - 1 - q]
+        local = np.int32(0)
+        for j in range(per):
+            q = tid * per + j
+            if q < nbins:                        # (an unsigned index: no negative-index wraparound code)
+                local = np.int32(local + bins[np.uint32(nbins - 1 - q)])
         return local
 
     @cuda.jit(**DEVICE)
     def find_in_runs(bins, nbins, k, local, tmp, buf, shr):
         tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
         nt = T if T > 0 else cuda.blockDim.x
         per = (nbins + nt - 1) // nt
-        before, _ = block_scan(local, tmp, buf)
-        if before < k <= before + local:
-            cum = before
-            for q in range(tid * per, min(nbins, (tid + 1) * per)):
-                c = bins[nbins - 1 - q]
-                if cum + c >= k:
-                    shr[0] = nbins - 1 - q
-                    shr[1] = k - cum
-                    break
-                cum += c
+        x = np.int32(local)
+        off = 1
+        while off < WARP:                        # inclusive scan of the runs inside the warp
+            y = shfl_up(x, off, buf)
+            if lane >= off:
+                x = np.int32(x + y)
+            off *= 2
+        if lane == WARP - 1:
+            tmp[warp] = x
+        cuda.syncthreads()
+        t = np.int32(tmp[lane]) if lane < nt // WARP else np.int32(0)
+        off = 1
+        while off < WARP:                        # every warp scans the warp totals (block_scan's scheme)
+            y = shfl_up(t, off, buf)
+            if lane >= off:
+                t = np.int32(t + y)
+            off *= 2
+        before = shfl_idx(t, warp - 1 if warp > 0 else 0, buf)
+        cum = np.int64((before if warp > 0 else 0) + x - local)    # the items in the bins above this run
+        if cum < k <= cum + local:
+            for j in range(per):
+                q = tid * per + j
+                if q < nbins:
+                    c = bins[np.uint32(nbins - 1 - q)]
+                    if cum + c >= k:
+                        shr[0] = nbins - 1 - q
+                        shr[1] = k - cum
+                        break
+                    cum += c
         cuda.syncthreads()
         b, r = shr[0], shr[1]
-        cuda.syncthreads()
+        cuda.syncthreads()                       # shr and tmp free again
         return b, r
 
     @cuda.jit(**DEVICE)

@@ -7,8 +7,9 @@ Two launches:
     topk_stats    per chunk: max and sum exp(x - max) in fp64 (online per sub-chunk: one exp per element, by
                   tree_device.exp_le0, plus one per sub-chunk) into the row's partials, and a 4096-bin histogram of
                   the top 12 bits of each logit's sortable key, added into the row's. No block waits for another.
-    topk_filter   every block first combines the row's partials in a fixed order into lse (the same bits in every
-                  block) and finds the bin b holding the K-th largest logit, in parallel. Then per chunk: every
+    topk_filter   every block first combines the row's partials in a fixed order into lse (one warp: the same
+                  bits in every block) and finds the bin b holding the K-th largest logit (int32 run sums and
+                  scans), in parallel. Then per chunk: every
                   token with x >= lo(b) - band is a candidate (band: a few fp32 ulps of |x - lse|
                   plus the 2^-28 grid, so every token whose grid log-prob can equal the K-th largest one is in);
                   its composite key (sortable(lp) - 2^31) << 32 | (2^32 - 1 - id) -- larger is better, unique -- goes
@@ -101,25 +102,11 @@ def composite(x, i, ls):
 
 
 @cuda.jit(**DEVICE)
-def block_max_sum(m, s, wm, ws, fbuf):
-    """(M, S) on every thread: M = the block's largest m, S = the sum of s * exp(m - M) over the threads (0 where m
-    is -inf). The same bits on every run and on every thread: a fixed summation order (a warp butterfly, whose
-    partners add the same two values, then a butterfly of the warp sums that every warp runs itself, where a serial
-    loop over them took ~1 us), so the result does not depend on timing. wm, ws: shared float64[WARP]; fbuf: the
-    simulator twins' float64 scratch. Every thread calls it."""
-    tid = cuda.threadIdx.x
-    T = cuda.blockDim.x if SIM else TOPK_T
-    lane = tid % WARP
-    warp = tid // WARP
-    x = m
-    off = 1
-    while off < WARP:
-        x = max(x, shfl_xor(x, off, fbuf))
-        off *= 2
-    if lane == 0:
-        wm[warp] = x
-    cuda.syncthreads()
-    mm = wm[lane] if lane < T // WARP else -math.inf
+def warp_max_sum(m, s, fbuf):
+    """(M, S) on every lane of the warp: M = the warp's largest m, S = the sum of s * exp(m - M) over its lanes (0
+    where m is -inf; libdevice's exp, one a lane). The same bits on every lane and on every run: butterflies, whose
+    partners combine the same two values in the same order."""
+    mm = m
     off = 1
     while off < WARP:
         mm = max(mm, shfl_xor(mm, off, fbuf))
@@ -129,16 +116,50 @@ def block_max_sum(m, s, wm, ws, fbuf):
     while off < WARP:
         v += shfl_xor(v, off, fbuf)
         off *= 2
+    return mm, v
+
+
+@cuda.jit(**DEVICE)
+def block_partial(m, s, wm, ws, fbuf):
+    """(M, S) of the whole block, valid on warp 0: each warp reduces its lanes (warp_max_sum), writes its pair, and
+    after one barrier warp 0 reduces the warps' pairs the same way (a fixed order: the same bits on every run).
+    Where every warp ran the second stage, and three barriers, the block's end cost ~250 instructions a warp
+    (bench/results/tree_run21). The barrier also orders every thread's earlier shared-memory writes before what
+    follows. wm, ws: shared float64[WARP]; fbuf: the simulator twins' scratch. Every thread calls it."""
+    tid = cuda.threadIdx.x
+    T = cuda.blockDim.x if SIM else TOPK_T
+    lane = tid % WARP
+    warp = tid // WARP
+    mw, sw = warp_max_sum(m, s, fbuf)
     if lane == 0:
-        ws[warp] = v
+        wm[warp] = mw
+        ws[warp] = sw
     cuda.syncthreads()
-    total = ws[lane] if lane < T // WARP else 0.0
-    off = 1
-    while off < WARP:
-        total += shfl_xor(total, off, fbuf)
-        off *= 2
-    cuda.syncthreads()                           # wm, ws free again
-    return mm, total
+    mb = -math.inf
+    sb = 0.0
+    if SIM or warp == 0:                         # (the simulator's shuffle twins need every thread)
+        mb, sb = warp_max_sum(wm[lane] if lane < T // WARP else -math.inf, ws[lane] if lane < T // WARP else 0.0,
+                              fbuf)
+    return mb, sb
+
+
+@cuda.jit(**DEVICE)
+def warp_lse(part_m, part_s, row, nparts, fbuf):
+    """The row's lse from its chunks' (max, sum exp) partials, on every lane of the calling warp: lane l folds slots
+    l, l + WARP, ... in order, then warp_max_sum (libdevice exp and log). The same bits in every block of the row,
+    whatever the timing: one warp's fixed order. (The whole block did this before, with three barriers: ~530
+    instructions a warp in the filter's prologue, which 32 warps a block made ~3 us of issue, run 21.)"""
+    lane = cuda.threadIdx.x % WARP
+    m = part_m[row, lane] if lane < nparts else -math.inf
+    s = part_s[row, lane] if lane < nparts else 0.0
+    for q in range(lane + WARP, nparts, WARP):
+        mq = part_m[row, q]
+        mn = max(m, mq)
+        if mn > -math.inf:
+            s = (s * math.exp(m - mn) if m > -math.inf else 0.0) + part_s[row, q] * math.exp(mq - mn)
+            m = mn
+    mm, ss = warp_max_sum(m, s, fbuf)
+    return mm + math.log(ss)
 
 
 find_bin = find_bin_for(0 if SIM else TOPK_T)   # (the simulator's blocks come in several sizes)
@@ -187,7 +208,7 @@ def topk_stats(x, vocab, chunk, part_m, part_s, hist):
             for j in range(EPT):
                 s += exp_le0(np.float64(vals[j]) - mn, tab)     # 0 for -inf: masked tokens and padding
             m = mn
-    bm, bs = block_max_sum(m, s, wm, ws, fbuf)
+    bm, bs = block_partial(m, s, wm, ws, fbuf)    # (its barrier: every histogram atomic is done)
     for i in range(tid, NB, T):
         c = sh[i]
         if c != 0:
@@ -195,23 +216,6 @@ def topk_stats(x, vocab, chunk, part_m, part_s, hist):
     if tid == 0:
         part_m[row, p] = bm
         part_s[row, p] = bs
-
-
-@cuda.jit(**DEVICE)
-def row_lse(part_m, part_s, row, nparts, m, s, wm, ws, fbuf):
-    """The row's lse from its chunks' (max, sum exp) partials: each thread folds its slots in order (the first, slot
-    tid, already loaded as m, s: -inf, 0 where tid >= nparts), then block_max_sum. Every block of the row computes the
-    same bits (fixed order, whatever the timing)."""
-    tid = cuda.threadIdx.x
-    T = cuda.blockDim.x if SIM else TOPK_T
-    for q in range(tid + T, nparts, T):
-        mq = part_m[row, q]
-        mn = max(m, mq)
-        if mn > -math.inf:
-            s = (s * math.exp(m - mn) if m > -math.inf else 0.0) + part_s[row, q] * math.exp(mq - mn)
-            m = mn
-    bm, bs = block_max_sum(m, s, wm, ws, fbuf)
-    return bm + math.log(bs)
 
 
 @cuda.jit(**DEVICE)
@@ -374,8 +378,7 @@ def topk_filter(x, vocab, chunk, k, part_m, part_s, hist, counters, cand, top_lp
     buf = cuda.shared.array(TBUF, np.int64)
     shr = cuda.shared.array(2, np.int64)
     nb = cuda.shared.array(1, np.int32)                     # the block's candidates so far
-    wm = cuda.shared.array(WARP, np.float64)
-    ws = cuda.shared.array(WARP, np.float64)
+    lsh = cuda.shared.array(1, np.float64)                  # the row's lse, from warp 0
     fbuf = cuda.shared.array(TBUF, np.float64)
     vals = cuda.local.array(EPT, np.float32)
     nxt = cuda.local.array(EPT, np.float32)
@@ -388,13 +391,15 @@ def topk_filter(x, vocab, chunk, k, part_m, part_s, hist, counters, cand, top_lp
     # (a last block's serial tail there cost ~5 us, bench/results/tree_2026-12-02.md, stop 39)
     if tid == 0:
         nb[0] = 0
-    # every load of the prologue goes out before its first barrier: the partials' first slot, the histogram run
+    # every load of the prologue goes out before its first barrier: the histogram runs, the partials (warp 0)
     hr = hist[row]
-    m0 = part_m[row, tid] if tid < nparts else -math.inf
-    s0 = part_s[row, tid] if tid < nparts else 0.0
     loc = run_sum(hr, NB)
-    ls = row_lse(part_m, part_s, row, nparts, m0, s0, wm, ws, fbuf)
-    b, kr = find_in_runs(hr, NB, k, loc, tmp, buf, shr)     # (its barriers also publish nb[0])
+    if SIM or tid < WARP:                                   # one warp finds lse (the simulator: every warp)
+        lsw = warp_lse(part_m, part_s, row, nparts, fbuf)
+        if tid == 0:
+            lsh[0] = lsw
+    b, kr = find_in_runs(hr, NB, k, loc, tmp, buf, shr)     # (its barriers also publish lsh[0] and nb[0])
+    ls = lsh[0]
     above = k - kr + hr[b]                                  # tokens in bins >= b
     lo_x = key_value(b << SHIFT0)                           # smallest value of bin b
     lo_lp = grid_log_prob(lo_x, ls)
