@@ -340,28 +340,30 @@ def composite_key(lp: float, token: int) -> int:
        kfrac=st.floats(0.0, 1.0), seed=st.integers(0, 2 ** 31 - 1), threads=st.sampled_from([4, 8, 16]))
 @example(pattern="one", n=64, kfrac=1.0, seed=0, threads=4)          # one log-prob: buckets by token id
 @example(pattern="outlier", n=64, kfrac=0.5, seed=1, threads=8)     # one far key, the rest in a narrow band
+@example(pattern="ties", n=4, kfrac=1.0, seed=2, threads=16)        # count_rank: WARP threads a key
 @pytest.mark.parametrize("ranker", ["bucket_rank", "count_rank"])
 def test_sim_candidate_rank(sim, ranker, pattern, n, kfrac, seed, threads):
-    """The last block's two ways to rank the candidates, each on its own (tree_topk.bucket_rank; count_rank, a key
-    a thread, so its block has at least n threads): every rank < k of n distinct composite keys lands where a sort
-    puts it, for key sets that stress the buckets (equal log-probs, one log-prob for all, one outlier and a narrow
-    band, two values), at every block size the simulator runs."""
+    """The last block's two ways to rank the candidates, each on its own (tree_topk.bucket_rank; count_rank, at
+    least a thread a key, so its block has at least n threads, and up to WARP where the block has room: small n
+    at 8-16 threads): every rank < k of n distinct composite keys lands where a sort puts it, for key sets that
+    stress the buckets (equal log-probs, one log-prob for all, one outlier and a narrow band, two values), at every
+    block size the simulator runs."""
     import numpy as np
     from optimized.kernels import tree_topk as K
-    from optimized.kernels.tree_device import TBUF, WARP
+    from optimized.kernels.tree_device import WARP
     src = """
 def rank(cand, n, k, top_lp, top_id):
     grp = cuda.shared.array(K.CAP, np.int64)
     cnt = cuda.shared.array(K.NBK, np.int32)
     tmp = cuda.shared.array(32, np.int64)
-    buf = cuda.shared.array(TBUF, np.int64)
+    buf = cuda.shared.array(64, np.int64)
     shr = cuda.shared.array(2, np.int64)
     if BUCKET:
         K.bucket_rank(cand, 0, n, k, grp, cnt, tmp, buf, shr, top_lp, top_id)
     else:
-        K.count_rank(cand, 0, n, k, grp, top_lp, top_id)
+        K.count_rank(cand, 0, n, k, grp, buf, top_lp, top_id)
 """
-    rank = sim_kernel(src, "rank", K=K, TBUF=TBUF, BUCKET=ranker == "bucket_rank")
+    rank = sim_kernel(src, "rank", K=K, BUCKET=ranker == "bucket_rank")   # buf: a slot a thread (64 at most)
     if ranker == "count_rank":
         threads = max(threads, -(-n // WARP) * WARP)    # a key a thread, whole warps
     g = torch.Generator().manual_seed(seed)
