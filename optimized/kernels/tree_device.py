@@ -338,6 +338,7 @@ def grid_log_prob(x, lse):
 
 
 EXP_TAB = np.array([2.0 ** (j / 64) for j in range(64)])   # 2^(j/64), each correctly rounded
+EXP_TAB_BITS = EXP_TAB.view(np.int64)   # their bit patterns: exp_le0's table (it adds 2^k to the exponent field)
 EXP_INV = 92.33248261689366             # 64 / ln 2
 EXP_HI = 0.01083042469326756            # ln 2 / 64 to 32 significant bits (k * EXP_HI is exact for |k| < 2^21)
 EXP_LO = 2.9815858269852933e-12         # ln 2 / 64 - EXP_HI
@@ -348,18 +349,21 @@ def exp_le0(d, tab):
     """exp(d) in fp64 for d <= 0 (0 below -700, where it is below 1e-304), within 2 ulp (4e-16 relative, measured
     against 50-digit decimals; libdevice's exp: 1 ulp) in about a third of libdevice's instructions: d = (64 k + j)
     ln2/64 + r with |r| <= ln2/128 (Cody-Waite), exp(r) by a degree-5 Taylor polynomial (truncation < 4e-17),
-    times 2^(j/64) from tab (EXP_TAB in shared memory) and 2^k built from its bits. Branch-free (the -700 test
-    is a select at the end) and without an fp64-to-integer conversion: t = d * 64/ln2 + 1.5 * 2^52 holds the
-    rounded k in the low 32 bits of its mantissa."""
-    dc = max(d, -700.0)
+    times 2^(j/64) 2^k: tab (EXP_TAB_BITS in shared memory) holds the bits of 2^(j/64), and 2^k is an integer add to
+    their exponent field, exact (above -700 the product stays normal, so (2^(j/64) 2^k) p rounds as (2^(j/64) p)
+    2^k did). Branch-free (the -700 test is a select at the end) and without an fp64-to-integer conversion: t = d *
+    64/ln2 + 1.5 * 2^52 holds the rounded 64 k + j in the low 32 bits of its mantissa. On the GPU d is not clamped
+    first: below -700 (and at -inf: masked tokens, padding) t and k are garbage that the select discards; the
+    simulator clamps at -700 (its numpy integers would warn on the garbage's overflow)."""
+    dc = max(d, -700.0) if SIM else d
     t = dc * EXP_INV + RINT_MAGIC
     kf = t - RINT_MAGIC
-    k = f64_lo_bits(t)                                      # kf as an int32: -64630 <= k <= 0
+    k = f64_lo_bits(t)                                      # kf as an int32: -64630 <= k <= 0 above -700
     r = dc - kf * EXP_HI
     r = r - kf * EXP_LO
     p = 1.0 + r * (1.0 + r * (0.5 + r * (0.16666666666666666 + r * (0.041666666666666664
                                                                   + r * 0.008333333333333333))))
-    e = tab[k & 63] * p * f64_from_hi(((k >> 6) + 1023) << 20)
+    e = f64_from_bits(tab[k & 63] + (np.int64(k >> 6) << 52)) * p
     return e if d > -700.0 else 0.0
 
 

@@ -25,8 +25,9 @@ Two launches:
                   rows only).
 Exactness: lp(x) = grid(fp32(x - lse)) is non-decreasing in x, so every token with lp >= lp_K (lp_K the
 log-prob of the K-th largest logit x_K >= lo(b)) has x >= lo(b) - band; the candidates therefore hold the top K.
-Per logit (sm_90 SASS): stats ~5 integer instructions for the bin, one shared atomic, ~14 fp64 for the exp (no
-branch, no fp64-to-int conversion); filter one fp32 compare and a warp vote (whole sub-chunks load from one address
+Per logit (sm_90 SASS): stats ~5 integer instructions for the bin, one shared atomic, ~12 fp64 for the exp (no
+branch, no fp64-to-int conversion, no clamp; the whole loop ran ~65 instructions a logit in run 21, before the exp
+lost its clamp and a multiply); filter one fp32 compare and a warp vote (whole sub-chunks load from one address
 with constant offsets). Napkin: V = 163,840, L = 15: the logits are 9.8 MB (read from HBM once, then from the 60 MB
 L2 once), 2.5 M fp64 exps (~3 us of FP64 issue over the GPU), a few thousand candidates; two launches.
 """
@@ -38,7 +39,7 @@ import os
 import numpy as np
 from numba import cuda
 
-from .tree_device import (DEVICE, EXP_TAB, KERNEL, LP_FLOOR, SIM, TBUF, WARP, ballot, bin_runs_for, buckets_above,
+from .tree_device import (DEVICE, EXP_TAB_BITS, KERNEL, LP_FLOOR, SIM, TBUF, WARP, ballot, bin_runs_for, buckets_above,
                           exp_le0, f32_bits, find_bin_for, grid_log_prob, key_value, pair_sort, shfl_idx, shfl_xor,
                           sortable_key)
 
@@ -174,12 +175,12 @@ def topk_stats(x, vocab, chunk, part_m, part_s, hist):
     ws = cuda.shared.array(WARP, np.float64)
     fbuf = cuda.shared.array(TBUF, np.float64)
     sh = cuda.shared.array(NB1, np.int32)          # NB bins and a spare one for padding
-    tab = cuda.shared.array(64, np.float64)        # exp_le0's 2^(j/64)
+    tab = cuda.shared.array(64, np.int64)          # exp_le0's 2^(j/64), as bits
     vals = cuda.local.array(EPT, np.float32)
     nxt = cuda.local.array(EPT, np.float32)
     for i in range(tid, NB1, T):
         sh[i] = 0
-    ctab = cuda.const.array_like(EXP_TAB)
+    ctab = cuda.const.array_like(EXP_TAB_BITS)
     for i in range(tid, 64, T):
         tab[i] = ctab[i]
     cuda.syncthreads()
