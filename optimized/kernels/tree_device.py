@@ -198,6 +198,20 @@ def buckets_above(cnt, nbk, per, tmp, buf):
     cuda.syncthreads()
 
 
+@cuda.jit(**DEVICE)
+def warp_scan32(x, buf):
+    """Inclusive prefix sum of an int32 over the warp's lanes, kept in int32 (one shuffle a step, where block_scan's
+    int64 takes two). Every lane calls it."""
+    lane = cuda.threadIdx.x % WARP
+    off = 1
+    while off < WARP:
+        y = shfl_up(x, off, buf)
+        if lane >= off:
+            x = np.int32(x + y)
+        off *= 2
+    return x
+
+
 _find_bins: dict = {}
 
 
@@ -230,23 +244,12 @@ def bin_runs_for(T: int):
         warp = tid // WARP
         nt = T if T > 0 else cuda.blockDim.x
         per = (nbins + nt - 1) // nt
-        x = np.int32(local)
-        off = 1
-        while off < WARP:                        # inclusive scan of the runs inside the warp
-            y = shfl_up(x, off, buf)
-            if lane >= off:
-                x = np.int32(x + y)
-            off *= 2
+        x = warp_scan32(np.int32(local), buf)    # the runs inside the warp
         if lane == WARP - 1:
             tmp[warp] = x
         cuda.syncthreads()
-        t = np.int32(tmp[lane]) if lane < nt // WARP else np.int32(0)
-        off = 1
-        while off < WARP:                        # every warp scans the warp totals (block_scan's scheme)
-            y = shfl_up(t, off, buf)
-            if lane >= off:
-                t = np.int32(t + y)
-            off *= 2
+        # every warp scans the warp totals itself (block_scan's scheme, without its closing barrier)
+        t = warp_scan32(np.int32(tmp[lane]) if lane < nt // WARP else np.int32(0), buf)
         before = shfl_idx(t, warp - 1 if warp > 0 else 0, buf)
         cum = np.int64((before if warp > 0 else 0) + x - local)    # the items in the bins above this run
         if cum < k <= cum + local:
