@@ -233,6 +233,7 @@ for budget in (64, 128, 256):                          # every warp-list variant
 kernels["beam_auto"] = (Lst.auto_for(32)[0], beam_sig)
 for budget in (32, 64, 128, 256):                      # every two-level variant (tree_shallow.shallow_for)
     kernels[f"beam_shallow_B{budget}"] = (Sh.shallow_for(budget, 1024)[0], beam_sig)
+    assert Sh.shallow_for(budget, 1024)[2] + 13500 <= 48 * 1024, budget     # beside the static 13,008 B (ptxas, 256)
 for budget in (32, 64, 128, 256, 512):                 # every threshold-beam variant (32 to 512 threads)
     kernels[f"beam_thresh_B{budget}"] = (Th.thresh_for(budget, 1024)[0],
                                          beam_sig + (A(i32, 2), A(i32, 1)))
@@ -592,7 +593,8 @@ def probe(top_lp, top_id, k, budget, tok, dep, par, score, n, took):
         cap = WARP
         while cap < budget:
             cap *= 2
-        probe = sim_kernel(src, "probe", two_level=tree_shallow.two_level_for(threads, max(1, cap // threads)))
+        ga = max(1, cap // threads)
+        probe = sim_kernel(src, "probe", two_level=tree_shallow.two_level_for(threads, ga))
         x = logits(kind, abs(depth), vocab, i)
         if depth < 0:
             x = logits(kind, 3, vocab, 0)
@@ -602,7 +604,8 @@ def probe(top_lp, top_id, k, budget, tok, dep, par, score, n, took):
         top_lp, top_id = ref.ranked_candidates(x, budget)
         outs = [np.full(budget, -7, np.int64), np.full(budget, -7, np.int64), np.full(budget, -7, np.int64),
                 np.full(budget, -7.0, np.float64), np.full(1, -7, np.int64), np.zeros(1, np.int64)]
-        probe[1, threads](top_lp.numpy(), top_id.numpy(), top_lp.shape[1], budget, *outs)
+        smem = tree_shallow.two_level_bytes(threads, ga)
+        probe[1, threads, 0, smem](top_lp.numpy(), top_id.numpy(), top_lp.shape[1], budget, *outs)
         shallow = int(want.depths.max()) <= 2
         what = f"{kind} L={depth} V={vocab} B={budget} T={threads}"
         if kind != "masked":
@@ -645,7 +648,8 @@ def probe(top_lp, top_id, k, budget, tok, dep, par, score, n, took):
         cap = WARP
         while cap < budget:
             cap *= 2
-        probe = sim_kernel(src, "probe", seg=tree_segment.segment_for(threads, max(1, cap // threads)))
+        ga = max(1, cap // threads)
+        probe = sim_kernel(src, "probe", seg=tree_segment.segment_for(threads, ga))
         if kind == "alternating":
             x = torch.full((depth, vocab), -30.0)
             x[0::2, 0], x[0::2, 1], x[1::2, 0] = 0.0, -0.1, 0.0
@@ -655,7 +659,8 @@ def probe(top_lp, top_id, k, budget, tok, dep, par, score, n, took):
         top_lp, top_id = ref.ranked_candidates(x, budget)
         outs = [np.full(budget, -7, np.int64), np.full(budget, -7, np.int64), np.full(budget, -7, np.int64),
                 np.full(budget, -7.0, np.float64), np.full(1, -7, np.int64), np.zeros(1, np.int64)]
-        probe[1, threads](top_lp.numpy(), top_id.numpy(), top_lp.shape[1], budget, *outs)
+        smem = tree_segment.segment_layout(threads, ga)["bytes"]
+        probe[1, threads, 0, smem](top_lp.numpy(), top_id.numpy(), top_lp.shape[1], budget, *outs)
         what = f"{kind} L={depth} V={vocab} B={budget} T={threads}"
         if outs[5][0]:
             n = int(outs[4][0])
@@ -827,7 +832,7 @@ def probe_selection(gpu, make, kind: str, depth: int, budget: int):
     alone on full-shape logits, in the geometry the launcher gives it. Returns (taken, the reference tree), having
     checked that a taken tree is the reference's node for node and that a declined call wrote nothing."""
     from optimized.kernels import tree_shallow
-    _, threads = tree_shallow.shallow_for(budget, gpu.DEFAULT_CONFIG.beam_threads)
+    _, threads, smem = tree_shallow.shallow_for(budget, gpu.DEFAULT_CONFIG.beam_threads)
     probe = sim_kernel(SELECTION_PROBE, "probe", select=make(threads, max(1, max(budget, 32) // threads)))
     x = logits(kind, depth, FULL_V, depth * 1000 + budget, device="cuda")
     want = ref.build_tree(x, budget)
@@ -835,7 +840,8 @@ def probe_selection(gpu, make, kind: str, depth: int, budget: int):
     outs = [torch.full((budget,), -7, dtype=torch.long, device="cuda") for _ in range(3)]
     outs += [torch.full((budget,), -7.0, dtype=torch.float64, device="cuda"),
              torch.full((1,), -7, dtype=torch.long, device="cuda"), torch.zeros(1, dtype=torch.long, device="cuda")]
-    probe[1, threads](gpu._arr(top_lp), gpu._arr(top_id), top_lp.shape[1], budget, *(gpu._arr(o) for o in outs))
+    probe[1, threads, 0, smem](gpu._arr(top_lp), gpu._arr(top_id), top_lp.shape[1], budget,
+                               *(gpu._arr(o) for o in outs))
     took = bool(outs[5].item())
     if took:
         n = int(outs[4].item())
@@ -847,11 +853,12 @@ def probe_selection(gpu, make, kind: str, depth: int, budget: int):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("depth", [7, 15])
-@pytest.mark.parametrize("budget", [16, 32, 64])
+@pytest.mark.parametrize("budget", [16, 32, 64, 128, 256])
 @pytest.mark.parametrize("kind", ["normal", "draftlike", "integer", "equal"])
 def test_gpu_segment_full_shapes(gpu, depth, budget, kind):
     """tree_segment.segment alone at full shapes: whenever it takes a tree it is the reference tree node for node
-    (draft-like rows up to budget 32, trees 5-15 deep, must be taken); when it declines it writes nothing."""
+    (draft-like rows up to budget 32, trees 5-15 deep, must be taken); when it declines it writes nothing. Budgets
+    128-256: the dynamic pool at C = 128 / 256."""
     from optimized.kernels import tree_segment
     took, want = probe_selection(gpu, tree_segment.segment_for, kind, depth, budget)
     if kind == "draftlike" and budget <= 32:

@@ -211,15 +211,16 @@ def _beam_stage(k: int, budget: int, ws: _Workspace, cfg: Config, s, tokens, dep
         beam, threads = thresh_for(budget, cfg.beam_threads)
         beam[1, threads, s](*out, a["thresh_ints"], a["thresh_stats"])
         return
+    smem = 0                                     # dynamic shared memory (the two-level and segment selections')
     if budget <= min(cfg.list_max, WARP):
         beam, threads = auto_for(budget)
     elif budget <= cfg.list_max:
         beam, threads = list_for(budget)
     elif cfg.shallow and budget <= SHALLOW_BMAX:
-        beam, threads = shallow_for(budget, cfg.beam_threads)
+        beam, threads, smem = shallow_for(budget, cfg.beam_threads)
     else:
         beam, threads = beam_for(budget, cfg.beam_threads)
-    beam[1, threads, s](*out)
+    beam[1, threads, s, smem](*out)
 
 
 def build_tree(draft_logits: torch.Tensor, budget: int, *, check_values: bool = False,

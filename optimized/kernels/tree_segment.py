@@ -25,20 +25,25 @@ caller runs another beam):
         deviation before an earlier one, then by rank), which orders tuples as the reference does. E is ranked by
         buckets of the score and a count of the larger nodes in the node's own bucket (ties: by the event code).
 Capacities (C = T * GA >= budget): 2 C segments, 4 C nodes; more: decline.
+Shared memory: the launch's dynamic pool (segment_layout; 132 C bytes, 33 KB at C = 256), the same bytes the
+    two-level selection used before it declined (tree_shallow.pool_bytes); the rows' lp are kept as fp32 (compared
+    with fp64 bounds, exact: lp_of) and their room is reused by the ranking's arrays, and the product bound's terms
+    are derived from the segment's ranks (seg_prod) instead of stored, so that budgets up to 256 fit 48 KB beside
+    tree_beam's body (12 KB at C = 256; the bodies' static arrays would not: 26 + 42 + 12 KB).
 Measured (tree_run20, H100, the beam stage alone, budget 64, 64 threads): 30.2 / 33.4 us on draft-like rows at L = 7 /
     15 (trees 7 / 12 deep) against tree_beam's 32.7 / 53.5: latency-bound (two warps, ~15 barrier phases); in one
-    warp (budgets <= 32) slower than the list beam (27.9 against 15.2 us), so the auto beam does not use it. Budgets
-    above 64 would need its ~42 KB of shared memory at C = 256 to share a pool with the other bodies (48 KB).
+    warp (budgets <= 32) slower than the list beam (27.9 against 15.2 us), so the auto beam does not use it.
+    Budgets 128-256 (where tree_beam takes 59-110 us on draft-like rows): not yet measured.
 """
 from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shim)
 
 import numpy as np
-from numba import cuda
+from numba import cuda, types   # pool arrays: numba types (the simulator takes no numpy scalar class)
 
 from .tree_beam import SCALE, q_of
-from .tree_device import DEVICE, TBUF, block_scan, buckets_above, count_prefix, find_bin_for, last_at_most
+from .tree_device import DEVICE, LP_GRID, SIM, TBUF, block_scan, buckets_above, count_prefix, find_bin_for, last_at_most
 
-SEGMENT_BMAX = 64           # largest budget (C <= 64: ~18 KB of shared memory beside the two-level's and tree_beam's)
+SEGMENT_BMAX = 64 if SIM else 256   # largest budget (C <= 256: a 33 KB pool beside tree_beam's 12 KB)
 LMAX = 15                   # most depths (tree_list.MAX_DEPTH)
 LMAX1 = LMAX + 1            # (a shared array's size must be one constant, not an expression)
 NONE = -(2 ** 62)           # no bound
@@ -57,23 +62,49 @@ def seg_len(zz, depth, i, pen, spar, mult, theta, budget):
 
 
 @cuda.jit(**DEVICE)
+def lp_of(v):
+    """A bound in units of 2^-28 as an fp64 lp: an fp32 row value w > lp_of(v) exactly when q_of(w) > v (v / 2^28
+    is exact for |v| < 2^53; the rows' q_of lie in [-2^49, 0], so a v beyond that compares the same either way)."""
+    return np.float64(v) * LP_GRID
+
+
+@cuda.jit(**DEVICE)
 def ev_dev(p, r):
     return np.int64(EV_DEV + (16 - p) * EV_STEP + r)
+
+
+def segment_layout(T: int, GA: int) -> dict:
+    """The body's arrays in the launch's dynamic shared memory (shared with the two-level selection's, which runs
+    first: tree_shallow.pool_bytes), as element offsets of their own dtype, and "bytes", the pool it needs. The
+    rows' scores (fp32, read until the level-2 segments are made) share their room with the ranking's arrays."""
+    C = T * GA
+    caps, capn, nlp, nbk = 2 * C, 4 * C, LMAX * C, 2 * C
+    union = 8 * caps                                          # int64 s_pen first, then the union (8-aligned)
+    i32 = union + max(4 * nlp, 12 * capn)                     # cnt, s_par, s_pseg, s_node0, ioff
+    i16 = i32 + 4 * (nbk + 3 * caps + capn)                   # s_i, s_r
+    return {"C": C, "CAPS": caps, "CAPN": capn, "NLP": nlp, "NBK": nbk, "lq": union // 4, "g_sc": union // 8,
+            "g_id": union // 4 + 2 * capn, "cnt": i32 // 4, "s_par": i32 // 4 + nbk, "s_pseg": i32 // 4 + nbk + caps,
+            "s_node0": i32 // 4 + nbk + 2 * caps, "ioff": i32 // 4 + nbk + 3 * caps, "s_i": i16 // 2,
+            "s_r": i16 // 2 + caps, "bytes": i16 + 4 * caps}
 
 
 def segment_for(T: int, GA: int):
     """Device function segment(top_lp, top_id, k, budget, out_*) -> bool for blocks of T threads (C = T * GA >=
     budget): True when it wrote the tree (see the module docstring), False (nothing written) when the caller must
-    run another beam. Every thread calls it; the result is block-uniform."""
+    run another beam. Every thread calls it; the result is block-uniform. Its arrays live in the launch's dynamic
+    shared memory: launch with at least segment_layout(T, GA)["bytes"] of it."""
     key = (T, GA)
     if key in _segments:
         return _segments[key]
-    C = T * GA
-    CAPS = 2 * C                # segments
-    CAPN = 4 * C                # nodes
-    NBK = 4 * C                 # buckets (a multiple of T)
-    NLP = LMAX * C
+    lay = segment_layout(T, GA)
+    C = lay["C"]
+    CAPS = lay["CAPS"]          # segments
+    CAPN = lay["CAPN"]          # nodes
+    NBK = lay["NBK"]            # buckets (a multiple of T)
+    NLP = lay["NLP"]
     RPN = CAPN // T             # nodes per thread
+    O_LQ, O_GSC, O_GID, O_CNT = lay["lq"], lay["g_sc"], lay["g_id"], lay["cnt"]
+    O_PAR, O_PSEG, O_NODE0, O_IOFF, O_I, O_R = (lay[n] for n in ("s_par", "s_pseg", "s_node0", "ioff", "s_i", "s_r"))
     find_bin = find_bin_for(T)
 
     @cuda.jit(**DEVICE)
@@ -86,7 +117,7 @@ def segment_for(T: int, GA: int):
                 for a in range(GA):
                     r = tid + a * T
                     if r < k:
-                        v = zz[d] + lq[d * C + r]
+                        v = zz[d] + q_of(lq[d * C + r])
                         b = min(np.int32(np.float64(v - lo) * scale), np.int32(NBK - 1))
                         if bb < 0:
                             cuda.atomic.add(cnt, b, 1)
@@ -97,6 +128,19 @@ def segment_for(T: int, GA: int):
     def seg_of(node0, nseg, x):
         """The segment holding node x (node0 non-decreasing; empty segments share the next one's start)."""
         return last_at_most(node0, 0, nseg - 1, x)
+
+    @cuda.jit(**DEVICE)
+    def seg_prod(s, s_i, s_r, s_pseg):
+        """(the product sum at segment s's parent, its multiplier) for the product bound (see seg_len): the chain
+        (0, 1); a level-1 segment leaving the chain at depth i with rank r (i - 1, r + 1); a level-2 one leaving
+        level-1 segment p at depth i with rank r (p's sum at depth i - 1, p's multiplier times r + 1)."""
+        if s == 0:
+            return np.int64(0), np.int64(1)
+        p = s_pseg[s]
+        if p < 0:
+            return np.int64(s_i[s] - 1), np.int64(s_r[s] + 1)
+        mp = np.int64(s_r[p] + 1)
+        return np.int64(s_i[p] - 1) + np.int64(s_i[s] - s_i[p]) * mp, mp * np.int64(s_r[s] + 1)
 
     @cuda.jit(**DEVICE)
     def code_of(s, d, s_i, s_r, s_pseg):
@@ -113,21 +157,23 @@ def segment_for(T: int, GA: int):
     @cuda.jit(**DEVICE)
     def segment(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
         tid = cuda.threadIdx.x
-        lq = cuda.shared.array(NLP, np.int64)        # the rows' scores (units of 2^-28), row d at d * C
+        p64 = cuda.shared.array(0, types.int64)      # the dynamic pool (segment_layout)
+        p32 = cuda.shared.array(0, types.int32)
+        p16 = cuda.shared.array(0, types.int16)
+        pf = cuda.shared.array(0, types.float32)
+        lq = pf[O_LQ:O_LQ + NLP]                     # the rows' lp (fp32 grid values), row d at d * C; until level 2
+        g_sc = p64[O_GSC:O_GSC + CAPN]               # then in its room: nodes grouped by bucket, score and node
+        g_id = p32[O_GID:O_GID + CAPN]
         zz = cuda.shared.array(LMAX1, np.int64)      # chain scores by depth
         sc = cuda.shared.array(4, np.int64)          # [1] U, [2] / [3] the lowest / highest start score
-        cnt = cuda.shared.array(NBK, np.int32)
-        s_par = cuda.shared.array(CAPS, np.int32)    # segments: parent node (-1: the root), parent segment (-1: none
-        s_pseg = cuda.shared.array(CAPS, np.int32)   #   or the chain), first depth, its rank, penalty, product
-        s_i = cuda.shared.array(CAPS, np.int32)      #   multiplier, the product sum at the parent, first node
-        s_r = cuda.shared.array(CAPS, np.int32)
-        s_pen = cuda.shared.array(CAPS, np.int64)
-        s_mult = cuda.shared.array(CAPS, np.int32)
-        s_spar = cuda.shared.array(CAPS, np.int32)
-        s_node0 = cuda.shared.array(CAPS, np.int32)
-        ioff = cuda.shared.array(CAPN, np.int32)     # item offsets; then each node's output index
-        g_sc = cuda.shared.array(CAPN, np.int64)     # nodes grouped by bucket: score, node
-        g_id = cuda.shared.array(CAPN, np.int32)
+        cnt = p32[O_CNT:O_CNT + NBK]
+        s_par = p32[O_PAR:O_PAR + CAPS]              # segments: parent node (-1: the root), parent segment (-1: none
+        s_pseg = p32[O_PSEG:O_PSEG + CAPS]           #   or the chain), first depth, its rank, penalty (units of
+        s_i = p16[O_I:O_I + CAPS]                    #   2^-28), first node; the product bound's terms: seg_prod
+        s_r = p16[O_R:O_R + CAPS]
+        s_pen = p64[0:CAPS]
+        s_node0 = p32[O_NODE0:O_NODE0 + CAPS]
+        ioff = p32[O_IOFF:O_IOFF + CAPN]             # item offsets; then each node's output index
         tmp = cuda.shared.array(32, np.int64)
         buf = cuda.shared.array(TBUF, np.int64)
         shr = cuda.shared.array(2, np.int64)
@@ -141,7 +187,7 @@ def segment_for(T: int, GA: int):
                 for a in range(GA):
                     r = tid + a * T
                     if r < k:
-                        lq[d * C + r] = q_of(top_lp[d, r])
+                        lq[d * C + r] = top_lp[d, r]
         for b in range(tid, NBK, T):
             cnt[b] = 0
         cuda.syncthreads()
@@ -153,14 +199,14 @@ def segment_for(T: int, GA: int):
             b2 = np.int64(NONE)
             b3 = np.int64(NONE)
             u = np.int64(NONE)
-            lo = lq[k - 1]
+            lo = q_of(lq[k - 1])
             for d in range(depth):
-                q0 = lq[d * C]
-                lo = min(lo, z + lq[d * C + k - 1])
+                q0 = q_of(lq[d * C])
+                lo = min(lo, z + q_of(lq[d * C + k - 1]))
                 z += q0
                 zz[d + 1] = z
                 if k > 1:
-                    q1 = lq[d * C + 1]
+                    q1 = q_of(lq[d * C + 1])
                     n3 = max(b3 + q0 if b3 > NONE else NONE, b2 + q1 if b2 > NONE else NONE)
                     n2 = max(b2 + q0 if b2 > NONE else NONE, b1 + q1 if b1 > NONE else NONE)
                     n1 = max(b1 + q0 if b1 > NONE else NONE, b0 + q1)
@@ -169,7 +215,7 @@ def segment_for(T: int, GA: int):
                     u = max(u, b3)
             sc[1] = u
             sc[2] = lo
-            sc[3] = lq[0]
+            sc[3] = q_of(lq[0])
         cuda.syncthreads()
         u = sc[1]
         theta = u
@@ -200,7 +246,7 @@ def segment_for(T: int, GA: int):
             j = c0 + tid
             c = np.int64(0)
             if j < m1:
-                c = max(0, count_prefix(lq, j * C, k, theta - zz[j], True, j, 1, 1, budget) - 1)
+                c = max(0, count_prefix(lq, j * C, k, lp_of(theta - zz[j]), True, j, 1, 1, budget) - 1)
             ex, tot = block_scan(c, tmp, buf)
             if j < m1:
                 ioff[j] = np.int32(base + ex)
@@ -216,19 +262,15 @@ def segment_for(T: int, GA: int):
             s_i[0] = 1
             s_r[0] = 0
             s_pen[0] = 0
-            s_mult[0] = 1
-            s_spar[0] = 0
         for s in range(tid, n1, T):
             j = last_at_most(ioff, 0, m1 - 1, s)
             r = 1 + s - ioff[j]
             g = 1 + s
             s_par[g] = j - 1
             s_pseg[g] = -1
-            s_i[g] = j + 1
-            s_r[g] = r
-            s_pen[g] = lq[j * C + r] - lq[j * C]
-            s_mult[g] = r + 1
-            s_spar[g] = j
+            s_i[g] = np.int16(j + 1)
+            s_r[g] = np.int16(r)
+            s_pen[g] = q_of(lq[j * C + r]) - q_of(lq[j * C])
         cuda.syncthreads()
         # nodes of the chain and the level-1 segments
         base = np.int64(0)
@@ -239,7 +281,8 @@ def segment_for(T: int, GA: int):
                 if g == 0:
                     ln = e0
                 else:
-                    ln = seg_len(zz, depth, s_i[g], s_pen[g], s_spar[g], s_mult[g], theta, budget)
+                    spar, mult = seg_prod(g, s_i, s_r, s_pseg)
+                    ln = seg_len(zz, depth, np.int64(s_i[g]), s_pen[g], spar, mult, theta, budget)
             ex, tot = block_scan(ln, tmp, buf)
             if g < nseg:
                 s_node0[g] = np.int32(base + ex)
@@ -259,8 +302,9 @@ def segment_for(T: int, GA: int):
                 g = last_at_most(s_node0, 1, nseg - 1, x)
                 d = s_i[g] + x - s_node0[g]
                 if d < depth:
-                    sn = s_spar[g] + (d - s_i[g] + 1) * s_mult[g]
-                    c = max(0, count_prefix(lq, d * C, k, theta - zz[d] - s_pen[g], True, sn, s_mult[g], 1, budget) - 1)
+                    spar, mult = seg_prod(g, s_i, s_r, s_pseg)
+                    sn = spar + (d - s_i[g] + 1) * mult
+                    c = max(0, count_prefix(lq, d * C, k, lp_of(theta - zz[d] - s_pen[g]), True, sn, mult, 1, budget) - 1)
             ex, tot = block_scan(c, tmp, buf)
             if it < nit:
                 ioff[it] = np.int32(base + ex)
@@ -278,11 +322,9 @@ def segment_for(T: int, GA: int):
             h = nseg + s
             s_par[h] = x
             s_pseg[h] = g
-            s_i[h] = d + 1
-            s_r[h] = r
-            s_pen[h] = s_pen[g] + lq[d * C + r] - lq[d * C]
-            s_mult[h] = s_mult[g] * (r + 1)
-            s_spar[h] = s_spar[g] + (d - s_i[g] + 1) * s_mult[g]
+            s_i[h] = np.int16(d + 1)
+            s_r[h] = np.int16(r)
+            s_pen[h] = s_pen[g] + q_of(lq[d * C + r]) - q_of(lq[d * C])
         cuda.syncthreads()
         base = nn1
         for c0 in range(0, n2, T):
@@ -290,7 +332,8 @@ def segment_for(T: int, GA: int):
             ln = np.int64(0)
             if s < n2:
                 h = nseg + s
-                ln = seg_len(zz, depth, s_i[h], s_pen[h], s_spar[h], s_mult[h], theta, budget)
+                spar, mult = seg_prod(h, s_i, s_r, s_pseg)
+                ln = seg_len(zz, depth, np.int64(s_i[h]), s_pen[h], spar, mult, theta, budget)
             ex, tot = block_scan(ln, tmp, buf)
             if s < n2:
                 s_node0[nseg + s] = np.int32(base + ex)

@@ -23,8 +23,9 @@ Ranking (bucket_rank's method): buckets by a monotone map of the key, a descendi
     scatter; a key's rank is the keys of higher buckets plus the larger keys of its own bucket, counted only for
     keys whose bucket starts below n = min(B, candidates) (the rest are not taken). Depth-1 nodes record their
     output index first, so depth-2 nodes can name their parent.
-Launch geometry: tree_beam's (T threads, T * GA = C >= budget); shared memory ~26 KB at C = 256 beside tree_beam's
-    body (~12 KB).
+Launch geometry: tree_beam's (T threads, T * GA = C >= budget); the arrays (~26 KB at C = 256) in the launch's
+    dynamic shared memory, which the segment selection reuses when this one declines (pool_bytes), beside tree_beam's
+    body (~12 KB, static).
 Measured (tree_run20, H100, the beam stage alone): 10.2 / 12.0 us on normal rows at budget 256 (L = 7 / 15) against
     tree_beam's 16.5; at budget 64 11.1 / 9.4 against 10.6 / 12.1; in one warp (budgets <= 32) 8.7 against 6.4, so
     the one-warp auto beam (tree_list.auto_for) does not use it.
@@ -32,11 +33,11 @@ Measured (tree_run20, H100, the beam stage alone): 10.2 / 12.0 us on normal rows
 from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shim)
 
 import numpy as np
-from numba import cuda
+from numba import cuda, types   # pool arrays: numba types (the simulator takes no numpy scalar class)
 
 from .tree_beam import SCALE, q_of, variant_for
 from .tree_device import DEVICE, SIM, TBUF, WARP, block_scan, buckets_above, count_prefix, last_at_most
-from .tree_segment import SEGMENT_BMAX, segment_for
+from .tree_segment import SEGMENT_BMAX, segment_for, segment_layout
 
 SHALLOW_BMAX = 64 if SIM else 256   # largest budget (C <= 256: the candidates' keys fit shared memory)
 PER_NODE = 8                        # candidate capacity per unit of C: B (1 + ln B) <= 7.1 B up to B = 256
@@ -49,10 +50,24 @@ LOW_MASK = (1 << LOW_BITS) - 1
 NONE = -(2 ** 62)                   # no s3 (L <= 2)
 
 
+def two_level_bytes(T: int, GA: int) -> int:
+    """The dynamic shared memory two_level_for(T, GA) needs: int64 la, lb [C] and the keys [PER_NODE C], then
+    int32 off [C] and the bucket counts [4 C]."""
+    C = T * GA
+    return 8 * (2 * C + PER_NODE * C) + 4 * (C + 4 * C)
+
+
+def pool_bytes(T: int, GA: int, seg: bool) -> int:
+    """The dynamic shared memory of a shallow_for kernel: the two-level selection's arrays, then (seg) the segment
+    selection's in the same bytes (it runs only after the two-level one declined)."""
+    return max(two_level_bytes(T, GA), segment_layout(T, GA)["bytes"] if seg else 0)
+
+
 def two_level_for(T: int, GA: int):
     """Device function two_level(top_lp, top_id, k, budget, out_*) -> bool for blocks of T threads holding GA
     ranks each (C = T * GA >= k): True when it wrote the tree (at most two deep, see the module docstring), False
-    (nothing written) when the caller must run another beam. Every thread calls it; the result is block-uniform."""
+    (nothing written) when the caller must run another beam. Every thread calls it; the result is block-uniform.
+    Its arrays live in the launch's dynamic shared memory: launch with at least two_level_bytes(T, GA) of it."""
     key = (T, GA)
     if key in _two_levels:
         return _two_levels[key]
@@ -61,15 +76,19 @@ def two_level_for(T: int, GA: int):
     RPT = CAPC // T                 # per thread, in registers
     NBK = 4 * C                     # buckets (a multiple of T)
     PER = NBK // T
+    O_OFF = 2 * (2 * C + CAPC)      # int32 offsets in the pool, after the int64 arrays
+    O_CNT = O_OFF + C
 
     @cuda.jit(**DEVICE)
     def two_level(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
         tid = cuda.threadIdx.x
-        la = cuda.shared.array(C, np.int64)          # depth-1 and depth-2 scores by rank (units of 2^-28)
-        lb = cuda.shared.array(C, np.int64)
-        off = cuda.shared.array(C, np.int32)         # candidates before rank r1's, then r1's output index
-        cnt = cuda.shared.array(NBK, np.int32)
-        grp = cuda.shared.array(CAPC, np.int64)      # the keys, grouped by bucket
+        p64 = cuda.shared.array(0, types.int64)      # the dynamic pool (two_level_bytes)
+        p32 = cuda.shared.array(0, types.int32)
+        la = p64[0:C]                                # depth-1 and depth-2 scores by rank (units of 2^-28)
+        lb = p64[C:2 * C]
+        grp = p64[2 * C:2 * C + CAPC]                # the keys, grouped by bucket
+        off = p32[O_OFF:O_OFF + C]                   # candidates before rank r1's, then r1's output index
+        cnt = p32[O_CNT:O_CNT + NBK]
         tmp = cuda.shared.array(32, np.int64)
         buf = cuda.shared.array(TBUF, np.int64)
         mine = cuda.local.array(RPT, np.int64)
@@ -183,8 +202,9 @@ _two_levels: dict = {}
 
 
 def shallow_for(budget: int, max_threads: int):
-    """(kernel, T): the two-level selection, else (budgets up to SEGMENT_BMAX) the segment selection
-    (tree_segment.py), else tree_beam's body, for budgets up to SHALLOW_BMAX; tree_beam's geometry (beam_for)."""
+    """(kernel, T, smem): the two-level selection, else (budgets up to SEGMENT_BMAX) the segment selection
+    (tree_segment.py), else tree_beam's body, for budgets up to SHALLOW_BMAX; tree_beam's geometry (beam_for).
+    Launch it with smem bytes of dynamic shared memory: kernel[1, T, stream, smem]."""
     if budget > SHALLOW_BMAX:
         raise ValueError(f"the two-level selection takes budgets up to {SHALLOW_BMAX}, got {budget}")
     (_, bbody), threads = variant_for(budget, max_threads)
@@ -194,7 +214,7 @@ def shallow_for(budget: int, max_threads: int):
     key = (threads, max(1, cap // threads), budget <= SEGMENT_BMAX)
     if key not in _kernels:
         _kernels[key] = _make_shallow(bbody, *key)
-    return _kernels[key], threads
+    return _kernels[key], threads, pool_bytes(*key)
 
 
 _kernels: dict = {}
