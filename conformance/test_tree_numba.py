@@ -211,7 +211,7 @@ import numba.cuda.dispatcher as D
 D.get_current_device = lambda: _t.SimpleNamespace(compute_capability=(9, 0))   # no GPU needed to compile
 from numba import cuda, types
 from optimized.kernels import tree_beam as B, tree_list as Lst, tree_thresh as Th, tree_topk as K, tree_verify as V
-from optimized.kernels import tree_shallow as Sh
+from optimized.kernels import tree_segment as Sg, tree_shallow as Sh
 A = lambda dt, nd: types.Array(dt, nd, "C")
 i64, f32, f64, i32, i16 = types.int64, types.float32, types.float64, types.int32, types.int16
 kernels = {
@@ -234,6 +234,9 @@ kernels["beam_auto"] = (Lst.auto_for(32)[0], beam_sig)
 for budget in (32, 64, 128, 256):                      # every two-level variant (tree_shallow.shallow_for)
     kernels[f"beam_shallow_B{budget}"] = (Sh.shallow_for(budget, 1024)[0], beam_sig)
     assert Sh.shallow_for(budget, 1024)[2] + 13500 <= 48 * 1024, budget     # beside the static 13,008 B (ptxas, 256)
+for budget in (512, 1024):                             # the segment's own launch and tree_beam after it
+    kernels[f"segment_B{budget}"] = (Sg.segment_kernel_for(budget, 1024)[0], beam_sig)
+    kernels[f"beam_unless_B{budget}"] = (Sg.beam_unless_for(budget, 1024)[0], beam_sig)
 for budget in (32, 64, 128, 256, 512):                 # every threshold-beam variant (32 to 512 threads)
     kernels[f"beam_thresh_B{budget}"] = (Th.thresh_for(budget, 1024)[0],
                                          beam_sig + (A(i32, 2), A(i32, 1)))
@@ -260,7 +263,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
         pytest.skip("no NVVM/NVRTC to compile with (install the CUDA toolkit or nvidia-cuda-nvrtc): "
                     + out.strip().splitlines()[-1][:200])
     assert proc.returncode == 0, out[-3000:]
-    assert out.count(" ok ") == 25, out
+    assert out.count(" ok ") == 29, out
 
 
 @pytest.mark.parametrize("value, ok", [("1024", True), ("256", True), ("300", False), ("2048", False)])
@@ -670,6 +673,51 @@ def probe(top_lp, top_id, k, budget, tok, dep, par, score, n, took):
             assert all((o == -7).all() for o in outs[:5]), f"{what}: declined but wrote"
     if kind in ("normal", "draftlike", "alternating"):
         assert taken_depths and (kind == "normal" or max(taken_depths) >= 5), (kind, taken_depths)
+
+
+@sim_only
+@pytest.mark.parametrize("kind", ["draftlike", "normal", "alternating"])
+def test_sim_segment_own_launch_then_beam(sim, kind):
+    """The path of budgets above 256 on the GPU (tree_segment.segment_kernel_for, then beam_unless_for), here at
+    small budgets in blocks of 4-16 threads with the same node capacity (BIG_CAPN): the pair writes the reference
+    tree whether the segment takes it (out_n = n) or declines (out_n = -1, nothing else written, tree_beam's body
+    runs); "alternating" rows at budget 20 hold nodes 3 deviations off the chain, so there it must decline. And
+    beam_unless_for's kernel writes nothing when the count on entry says a tree was taken."""
+    import numpy as np
+    from optimized.kernels import tree_segment
+    cases = {"draftlike": [(8, 40, 16, 4), (6, 9, 33, 16), (8, 40, 64, 16)],
+             "normal": [(3, 40, 16, 4), (5, 9, 48, 16)],
+             "alternating": [(5, 12, 16, 4), (5, 12, 20, 4)]}[kind]
+    ran = set()
+    for i, (depth, vocab, budget, threads) in enumerate(cases):
+        if kind == "alternating":
+            x = torch.full((depth, vocab), -30.0)
+            x[0::2, 0], x[0::2, 1], x[1::2, 0] = 0.0, -0.1, 0.0
+        else:
+            x = logits(kind, depth, vocab, 7 * i + depth)
+        want = ref.build_tree(x, budget)
+        top_lp, top_id = (t.numpy() for t in ref.ranked_candidates(x, budget))
+        outs = [np.full(budget, -7, np.int64), np.full(budget, -7, np.int64), np.full(budget, -7, np.int64),
+                np.full(budget, -7.0, np.float64), np.full(1, -7, np.int64)]
+        seg, t, smem = tree_segment.segment_kernel_for(budget, threads)
+        seg[1, t, 0, smem](top_lp, top_id, top_lp.shape[1], budget, *outs)
+        took = int(outs[4][0]) >= 0
+        what = f"{kind} L={depth} V={vocab} B={budget} T={threads}"
+        if not took:
+            assert outs[4][0] == -1 and all((o == -7).all() for o in outs[:4]), f"{what}: declined but wrote"
+        ran.add(took)
+        beam, tb = tree_segment.beam_unless_for(budget, threads)
+        beam[1, tb](top_lp, top_id, top_lp.shape[1], budget, *outs)
+        n = int(outs[4][0])
+        assert_same_tree(ref.Tree(*(torch.from_numpy(o[:n]) for o in outs[:4])), want, f"{what} (took {took})")
+        if took:
+            fresh = [np.full(budget, -7, np.int64) for _ in range(3)] + [np.full(budget, -7.0), np.zeros(1, np.int64)]
+            beam[1, tb](top_lp, top_id, top_lp.shape[1], budget, *fresh)
+            assert all((o == -7).all() for o in fresh[:4]), f"{what}: tree_beam ran after a taken tree"
+    if kind == "draftlike":
+        assert ran == {True}, ran
+    if kind == "alternating":
+        assert False in ran, ran
 
 
 def rel_of(ps: int, d: int, r: int, tm: int, tdig) -> int:

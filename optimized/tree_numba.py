@@ -31,6 +31,7 @@ import torch
 from numba import cuda
 from .kernels.tree_beam import BMAX, beam_for
 from .kernels.tree_list import LIST_BMAX, MAX_DEPTH, auto_for, list_for
+from .kernels.tree_segment import BIG_BMAX, beam_unless_for, segment_kernel_for
 from .kernels.tree_shallow import SHALLOW_BMAX, shallow_for
 from .kernels.tree_thresh import BMAX_THRESH, SCRATCH_ROWS, STATS, scratch_nodes, thresh_for
 from .kernels.tree_device import SIM, WARP
@@ -58,7 +59,9 @@ class Config:
                            #   up to SEGMENT_BMAX the segment selection (tree_segment.py: nodes at most 2 deviations
                            #   off the rank-0 chain); else the beam above runs. (Not in the one-warp auto beam of
                            #   budgets <= 32: there both were slower, tree_run20: 8.7 against tree_beam's 6.4 us on
-                           #   one-deep trees, 27.9 against the list beam's 15.2 on draft-like L = 15.)
+                           #   one-deep trees, 27.9 against the list beam's 15.2 on draft-like L = 15.) Above
+                           #   SHALLOW_BMAX up to BIG_BMAX: the segment selection in its own launch (a pool of up to
+                           #   168 KB of shared memory), then tree_beam in a second one when it declined.
 
 
 # The warp-list beam costs ~0.45 us a node whatever the depth; tree_beam ~5 us a depth (H100, tree_run11): the list
@@ -199,12 +202,12 @@ def _topk_stage(x, vocab: int, k: int, ws: _Workspace, cfg: Config, s) -> None:
 
 
 def _beam_stage(k: int, budget: int, ws: _Workspace, cfg: Config, s, tokens, depths, parents, scores) -> None:
-    """One launch: the first `budget` nodes in order into tokens/depths/parents/scores [budget]. Budgets up to
-    cfg.list_max: the warp-list beam (one warp), up to a warp of them through tree_list.auto_for (one warp that
-    takes tree_beam's body instead when the tree is at most 2 deep); else cfg.beam's (tree_beam or the threshold
-    beam; tree_beam behind the two-level and segment selections up to SHALLOW_BMAX / SEGMENT_BMAX when
-    cfg.shallow), in a block of the budget rounded up to a power of two (at least a warp), at most
-    cfg.beam_threads threads."""
+    """One launch (two above SHALLOW_BMAX): the first `budget` nodes in order into tokens/depths/parents/scores
+    [budget]. Budgets up to cfg.list_max: the warp-list beam (one warp), up to a warp of them through
+    tree_list.auto_for (one warp that takes tree_beam's body instead when the tree is at most 2 deep); else cfg.beam's
+    (tree_beam or the threshold beam; when cfg.shallow, tree_beam behind the two-level and segment selections up to
+    SHALLOW_BMAX / SEGMENT_BMAX, and above that up to BIG_BMAX behind the segment selection's own launch), in a block
+    of the budget rounded up to a power of two (at least a warp), at most cfg.beam_threads threads."""
     a = ws.a
     out = (a["top_lp"], a["top_id"], k, budget, _arr(tokens), _arr(depths), _arr(parents), _arr(scores), a["count"])
     if budget > cfg.list_max and cfg.beam == "threshold":
@@ -212,7 +215,12 @@ def _beam_stage(k: int, budget: int, ws: _Workspace, cfg: Config, s, tokens, dep
         beam[1, threads, s](*out, a["thresh_ints"], a["thresh_stats"])
         return
     smem = 0                                     # dynamic shared memory (the two-level and segment selections')
-    if budget <= min(cfg.list_max, WARP):
+    if cfg.shallow and SHALLOW_BMAX < budget <= BIG_BMAX and budget > cfg.list_max:
+        seg, threads, smem = segment_kernel_for(budget, cfg.beam_threads)
+        _launch_big(seg, threads, smem, s, out)
+        beam, threads = beam_unless_for(budget, cfg.beam_threads)
+        smem = 0
+    elif budget <= min(cfg.list_max, WARP):
         beam, threads = auto_for(budget)
     elif budget <= cfg.list_max:
         beam, threads = list_for(budget)
@@ -221,6 +229,36 @@ def _beam_stage(k: int, budget: int, ws: _Workspace, cfg: Config, s, tokens, dep
     else:
         beam, threads = beam_for(budget, cfg.beam_threads)
     beam[1, threads, s, smem](*out)
+
+
+_big_ready: dict = {}
+
+
+def _launch_big(kernel, threads: int, smem: int, s, args) -> None:
+    """Launch `kernel` with `smem` bytes of dynamic shared memory, above the 48 KB a kernel gets without asking:
+    once per kernel, argument types and device, its specialization's limit is raised to smem
+    (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES; numba-cuda has no public call for it, so this goes through the
+    driver binding numba-cuda itself uses for the shared-memory carveout). A refusal raises: no other beam runs in
+    its place."""
+    if SIM:
+        kernel[1, threads, s, smem](*args)
+        return
+    dev = cuda.get_current_device().id
+    key = (id(kernel), smem, dev, tuple(kernel.typeof_pyval(a) for a in args))
+    spec = _big_ready.get(key)
+    if spec is None:
+        spec = kernel.specialize(*args)
+        try:
+            from numba.cuda.cudadrv import driver as drv
+            fn = next(iter(spec.overloads.values()))._codelibrary.get_cufunc()
+            attr = drv.binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            drv.driver.cuKernelSetAttribute(attr, smem, fn.handle, fn.device.id)
+        except Exception as e:     # an API that moved, or a device with less shared memory a block
+            raise RuntimeError(f"could not raise the segment kernel's dynamic shared-memory limit to {smem} bytes "
+                               f"({type(e).__name__}: {e}); build trees of budget > {SHALLOW_BMAX} with "
+                               "Config(shallow=False) (tree_beam alone) on this setup") from e
+        _big_ready[key] = spec
+    spec[1, threads, s, smem](*args)
 
 
 def build_tree(draft_logits: torch.Tensor, budget: int, *, check_values: bool = False,

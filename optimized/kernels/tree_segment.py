@@ -40,10 +40,12 @@ from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shi
 import numpy as np
 from numba import cuda, types   # pool arrays: numba types (the simulator takes no numpy scalar class)
 
-from .tree_beam import SCALE, q_of
-from .tree_device import DEVICE, LP_GRID, SIM, TBUF, block_scan, buckets_above, count_prefix, find_bin_for, last_at_most
+from .tree_beam import SCALE, q_of, variant_for
+from .tree_device import DEVICE, LP_GRID, SIM, TBUF, WARP, block_scan, buckets_above, count_prefix, find_bin_for, last_at_most
 
-SEGMENT_BMAX = 64 if SIM else 256   # largest budget (C <= 256: a 33 KB pool beside tree_beam's 12 KB)
+SEGMENT_BMAX = 64 if SIM else 256   # largest budget in the shallow kernel (C <= 256: a 33 KB pool beside tree_beam's 12 KB)
+BIG_BMAX = 1024             # largest budget of the segment's own launch (segment_kernel_for; C = 1024: a 168 KB pool)
+BIG_CAPN = 7                # its node capacity per unit of C (draft-like L = 15, budget 1024: 6,416 nodes in E)
 LMAX = 15                   # most depths (tree_list.MAX_DEPTH)
 LMAX1 = LMAX + 1            # (a shared array's size must be one constant, not an expression)
 NONE = -(2 ** 62)           # no bound
@@ -73,12 +75,13 @@ def ev_dev(p, r):
     return np.int64(EV_DEV + (16 - p) * EV_STEP + r)
 
 
-def segment_layout(T: int, GA: int) -> dict:
-    """The body's arrays in the launch's dynamic shared memory (shared with the two-level selection's, which runs
-    first: tree_shallow.pool_bytes), as element offsets of their own dtype, and "bytes", the pool it needs. The
-    rows' scores (fp32, read until the level-2 segments are made) share their room with the ranking's arrays."""
+def segment_layout(T: int, GA: int, capn: int = 4) -> dict:
+    """The body's arrays in the launch's dynamic shared memory (in the shallow kernel shared with the two-level
+    selection's, which runs first: tree_shallow.pool_bytes), as element offsets of their own dtype, and "bytes", the
+    pool it needs; capn C nodes. The rows' scores (fp32, read until the level-2 segments are made) share their room
+    with the ranking's arrays."""
     C = T * GA
-    caps, capn, nlp, nbk = 2 * C, 4 * C, LMAX * C, 2 * C
+    caps, capn, nlp, nbk = 2 * C, capn * C, LMAX * C, 2 * C
     union = 8 * caps                                          # int64 s_pen first, then the union (8-aligned)
     i32 = union + max(4 * nlp, 12 * capn)                     # cnt, s_par, s_pseg, s_node0, ioff
     i16 = i32 + 4 * (nbk + 3 * caps + capn)                   # s_i, s_r
@@ -88,15 +91,15 @@ def segment_layout(T: int, GA: int) -> dict:
             "s_r": i16 // 2 + caps, "bytes": i16 + 4 * caps}
 
 
-def segment_for(T: int, GA: int):
+def segment_for(T: int, GA: int, capn: int = 4):
     """Device function segment(top_lp, top_id, k, budget, out_*) -> bool for blocks of T threads (C = T * GA >=
     budget): True when it wrote the tree (see the module docstring), False (nothing written) when the caller must
     run another beam. Every thread calls it; the result is block-uniform. Its arrays live in the launch's dynamic
-    shared memory: launch with at least segment_layout(T, GA)["bytes"] of it."""
-    key = (T, GA)
+    shared memory: launch with at least segment_layout(T, GA, capn)["bytes"] of it."""
+    key = (T, GA, capn)
     if key in _segments:
         return _segments[key]
-    lay = segment_layout(T, GA)
+    lay = segment_layout(T, GA, capn)
     C = lay["C"]
     CAPS = lay["CAPS"]          # segments
     CAPN = lay["CAPN"]          # nodes
@@ -414,3 +417,51 @@ def segment_for(T: int, GA: int):
 
 
 _segments: dict = {}
+
+
+def segment_kernel_for(budget: int, max_threads: int):
+    """(kernel, T, smem): the segment selection in its own launch (the launcher uses it above SEGMENT_BMAX, up to
+    BIG_BMAX, where its pool of 168 C bytes does not fit beside tree_beam's body): it writes the tree and its node count, or
+    out_n = -1 when it declines; then beam_unless_for's kernel runs tree_beam's body only if out_n < 0. smem exceeds
+    48 KB: launch it through a kernel whose dynamic shared-memory limit was raised (tree_numba._launch_big)."""
+    if not 1 <= budget <= BIG_BMAX:
+        raise ValueError(f"the segment's own launch takes budgets up to {BIG_BMAX}, got {budget}")
+    cap = WARP
+    while cap < budget:
+        cap *= 2
+    T = min(max_threads, cap)
+    key = (T, cap // T)
+    if key not in _big:
+        segment = segment_for(T, cap // T, BIG_CAPN)
+        jit = {} if SIM else {"launch_bounds": T}
+
+        @cuda.jit(**jit)
+        def segment_alone(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
+            if not segment(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
+                if cuda.threadIdx.x == 0:
+                    out_n[0] = -1
+
+        _big[key] = segment_alone
+    return _big[key], T, segment_layout(T, cap // T, BIG_CAPN)["bytes"]
+
+
+def beam_unless_for(budget: int, max_threads: int):
+    """(kernel, T): tree_beam's body for `budget` (beam_for's geometry), run only when the segment's own launch
+    declined (out_n[0] < 0 on entry); otherwise it returns at once."""
+    (_, body), threads = variant_for(budget, max_threads)
+    key = id(body)                                # one kernel per tree_beam variant
+    if key not in _unless:
+        jit = {} if SIM else {"launch_bounds": threads}
+
+        @cuda.jit(**jit)
+        def beam_unless(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
+            if out_n[0] >= 0:
+                return
+            body(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n)
+
+        _unless[key] = beam_unless
+    return _unless[key], threads
+
+
+_big: dict = {}
+_unless: dict = {}
