@@ -917,6 +917,40 @@ def test_gpu_segment_full_shapes(gpu, depth, budget, kind):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("depth", [7, 15])
+@pytest.mark.parametrize("budget", [512, 1024])
+@pytest.mark.parametrize("kind", ["draftlike", "normal", "equal"])
+def test_gpu_segment_own_launch_full_shapes(gpu, depth, budget, kind):
+    """Budgets above 256: the segment selection's own launch (its pool of up to 168 KB needs the raised dynamic
+    shared-memory limit, tree_numba._launch_big), then tree_beam's launch that runs only if it declined. A taken
+    tree is the reference's node for node (draft-like rows, up to 6,416 nodes in E, must be taken), a declined call
+    writes only out_n = -1, and the pair gives the reference tree either way."""
+    from optimized.kernels import tree_segment
+    x = logits(kind, depth, FULL_V, depth * 1000 + budget, device="cuda")
+    want = ref.build_tree(x, budget)
+    top_lp, top_id = (t.cuda() for t in ref.ranked_candidates(x.cpu(), budget))
+    outs = [torch.full((budget,), -7, dtype=torch.long, device="cuda") for _ in range(3)]
+    outs += [torch.full((budget,), -7.0, dtype=torch.float64, device="cuda"),
+             torch.full((1,), -7, dtype=torch.long, device="cuda")]
+    args = (gpu._arr(top_lp), gpu._arr(top_id), top_lp.shape[1], budget) + tuple(gpu._arr(o) for o in outs)
+    seg, threads, smem = tree_segment.segment_kernel_for(budget, gpu.DEFAULT_CONFIG.beam_threads)
+    assert smem > 48 * 1024
+    gpu._launch_big(seg, threads, smem, 0, args)
+    took = int(outs[4].item()) >= 0
+    what = f"{kind} L={depth} B={budget}"
+    if took:
+        assert_same_tree(ref.Tree(*(o[:int(outs[4].item())] for o in outs[:4])), want, what)
+    else:
+        assert int(outs[4].item()) == -1 and all(bool((o == -7).all()) for o in outs[:4]), f"{what}: declined but wrote"
+    if kind == "draftlike":
+        assert took, f"draft-like L={depth} B={budget} (tree depth {int(want.depths.max())}) was declined"
+    beam, tb = tree_segment.beam_unless_for(budget, gpu.DEFAULT_CONFIG.beam_threads)
+    beam[1, tb](*args)
+    assert_same_tree(ref.Tree(*(o[:int(outs[4].item())] for o in outs[:4])), want, f"{what} (took {took})")
+    print(f"segment (own launch) {what}: {'taken' if took else 'declined'}, tree depth {int(want.depths.max())}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth", [7, 15])
 @pytest.mark.parametrize("budget", [16, 32, 64, 256])
 @pytest.mark.parametrize("kind", ["normal", "draftlike", "integer", "equal"])
 def test_gpu_two_level_full_shapes(gpu, depth, budget, kind):
