@@ -920,7 +920,7 @@ def test_gpu_segment_full_shapes(gpu, depth, budget, kind):
 @pytest.mark.parametrize("budget", [512, 1024])
 @pytest.mark.parametrize("kind", ["draftlike", "normal", "equal"])
 def test_gpu_segment_own_launch_full_shapes(gpu, depth, budget, kind):
-    """Budgets above 256: the segment selection's own launch (its pool of up to 168 KB needs the raised dynamic
+    """Budgets above 256: the segment selection's own launch (its pool of up to 176 KB needs the raised dynamic
     shared-memory limit, tree_numba._launch_big), then tree_beam's launch that runs only if it declined. A taken
     tree is the reference's node for node (draft-like rows, up to 6,416 nodes in E, must be taken), a declined call
     writes only out_n = -1, and the pair gives the reference tree either way."""

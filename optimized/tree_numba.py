@@ -61,7 +61,7 @@ class Config:
                            #   budgets <= 32: there both were slower, tree_run20: 8.7 against tree_beam's 6.4 us on
                            #   one-deep trees, 27.9 against the list beam's 15.2 on draft-like L = 15.) Above
                            #   SHALLOW_BMAX up to BIG_BMAX: the segment selection in its own launch (a pool of up to
-                           #   168 KB of shared memory), then tree_beam in a second one when it declined.
+                           #   176 KB of shared memory), then tree_beam in a second one when it declined.
 
 
 # The warp-list beam costs ~0.45 us a node whatever the depth; tree_beam ~5 us a depth (H100, tree_run11): the list

@@ -41,10 +41,11 @@ import numpy as np
 from numba import cuda, types   # pool arrays: numba types (the simulator takes no numpy scalar class)
 
 from .tree_beam import SCALE, q_of, variant_for
-from .tree_device import DEVICE, LP_GRID, SIM, TBUF, WARP, block_scan, buckets_above, count_prefix, find_bin_for, last_at_most
+from .tree_device import (DEVICE, LP_GRID, SIM, TBUF, WARP, block_scan, buckets_above, count_prefix, find_bin_for,
+                          last_at_most)
 
-SEGMENT_BMAX = 64 if SIM else 256   # largest budget in the shallow kernel (C <= 256: a 33 KB pool beside tree_beam's 12 KB)
-BIG_BMAX = 1024             # largest budget of the segment's own launch (segment_kernel_for; C = 1024: a 168 KB pool)
+SEGMENT_BMAX = 64 if SIM else 256   # largest budget in the shallow kernel (C = 256: a 33 KB pool beside 13 KB static)
+BIG_BMAX = 1024             # largest budget of the segment's own launch (segment_kernel_for; C = 1024: a 176 KB pool)
 BIG_CAPN = 7                # its node capacity per unit of C (draft-like L = 15, budget 1024: 6,416 nodes in E)
 LMAX = 15                   # most depths (tree_list.MAX_DEPTH)
 LMAX1 = LMAX + 1            # (a shared array's size must be one constant, not an expression)
@@ -78,10 +79,12 @@ def ev_dev(p, r):
 def segment_layout(T: int, GA: int, capn: int = 4) -> dict:
     """The body's arrays in the launch's dynamic shared memory (in the shallow kernel shared with the two-level
     selection's, which runs first: tree_shallow.pool_bytes), as element offsets of their own dtype, and "bytes", the
-    pool it needs; capn C nodes. The rows' scores (fp32, read until the level-2 segments are made) share their room
+    pool it needs; capn C nodes, and bucket counts for 2 C (4 C with more than 4 C nodes, in the segment's own launch,
+    where the pool has room). The rows' scores (fp32, read until the level-2 segments are made) share their room
     with the ranking's arrays."""
     C = T * GA
-    caps, capn, nlp, nbk = 2 * C, capn * C, LMAX * C, 2 * C
+    caps, nlp, nbk = 2 * C, LMAX * C, (2 if capn <= 4 else 4) * C
+    capn *= C
     union = 8 * caps                                          # int64 s_pen first, then the union (8-aligned)
     i32 = union + max(4 * nlp, 12 * capn)                     # cnt, s_par, s_pseg, s_node0, ioff
     i16 = i32 + 4 * (nbk + 3 * caps + capn)                   # s_i, s_r
@@ -307,7 +310,8 @@ def segment_for(T: int, GA: int, capn: int = 4):
                 if d < depth:
                     spar, mult = seg_prod(g, s_i, s_r, s_pseg)
                     sn = spar + (d - s_i[g] + 1) * mult
-                    c = max(0, count_prefix(lq, d * C, k, lp_of(theta - zz[d] - s_pen[g]), True, sn, mult, 1, budget) - 1)
+                    bound = lp_of(theta - zz[d] - s_pen[g])
+                    c = max(0, count_prefix(lq, d * C, k, bound, True, sn, mult, 1, budget) - 1)
             ex, tot = block_scan(c, tmp, buf)
             if it < nit:
                 ioff[it] = np.int32(base + ex)
@@ -421,9 +425,9 @@ _segments: dict = {}
 
 def segment_kernel_for(budget: int, max_threads: int):
     """(kernel, T, smem): the segment selection in its own launch (the launcher uses it above SEGMENT_BMAX, up to
-    BIG_BMAX, where its pool of 168 C bytes does not fit beside tree_beam's body): it writes the tree and its node count, or
-    out_n = -1 when it declines; then beam_unless_for's kernel runs tree_beam's body only if out_n < 0. smem exceeds
-    48 KB: launch it through a kernel whose dynamic shared-memory limit was raised (tree_numba._launch_big)."""
+    BIG_BMAX, where its pool of 176 C bytes does not fit beside tree_beam's body): it writes the tree and its node
+    count, or out_n = -1 when it declines; then beam_unless_for's kernel runs tree_beam's body only if out_n < 0.
+    smem exceeds 48 KB: launch it through tree_numba._launch_big, which raises the kernel's dynamic limit."""
     if not 1 <= budget <= BIG_BMAX:
         raise ValueError(f"the segment's own launch takes budgets up to {BIG_BMAX}, got {budget}")
     cap = WARP
