@@ -8,7 +8,8 @@
 #     conformance bench/*.py | tar x -C .ab/${nc%%:*}; echo ${nc#*:} > .ab/${nc%%:*}/COMMIT; done
 # (each probe JSON's meta.commit is the checkout's; gpu.txt names the commit of each earlier tree from its COMMIT)
 # Usage (repository root, on the GPU machine; set DDTREE_COMMIT where .git is stale): OUT=dir bash bench/topk_ab_run.sh
-# (TREE_K: the tree tests' -k expression, default gpu; TOTAL, TEST_TIMEOUT, PROBE_TIMEOUT: seconds)
+# (TREE_K: the tree tests' -k expression, default gpu; NCU_CASE: "L budget kind" for ncu, default "15 16 normal";
+# TOTAL, TEST_TIMEOUT, PROBE_TIMEOUT: seconds)
 set -u
 OUT=${OUT:-/tmp/topk_ab}
 mkdir -p "$OUT"
@@ -36,7 +37,7 @@ for d in .ab/* .; do
 done
 [ "$(left)" -gt 30 ] && DDTREE_BENCH_OUT=$R timeout $(( $(left) > 170 ? 170 : $(left) )) python3 -m pytest \
   bench/test_bench_tree.py $q > "$R/tree_bench.txt" 2>&1; el "tree bench rc=$?"; pack
-[ "$(left)" -gt 60 ] && NCU_TIMEOUT=$(( $(left) > 100 ? 70 : $(left) - 30 )) OUT=$R bash bench/tree_ncu.sh "15 16 normal" \
+[ "$(left)" -gt 60 ] && NCU_TIMEOUT=$(( $(left) > 100 ? 70 : $(left) - 30 )) OUT=$R bash bench/tree_ncu.sh "${NCU_CASE:-15 16 normal}" \
   > "$R/ncu.txt" 2>&1 && el "ncu done"; pack
 [ "$(left)" -gt 60 ] && timeout $(( $(left) - 10 )) python3 -m pytest conformance/test_engine.py -m gpu $q -rP \
   > "$R/engine_tests.txt" 2>&1; el "engine conformance rc=$?"; pack
