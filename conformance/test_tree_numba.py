@@ -676,19 +676,22 @@ def probe(top_lp, top_id, k, budget, tok, dep, par, score, n, took):
 
 
 @sim_only
-@pytest.mark.parametrize("kind", ["draftlike", "normal", "alternating"])
+@pytest.mark.parametrize("kind", ["draftlike", "normal", "equal", "alternating"])
 def test_sim_segment_own_launch_then_beam(sim, kind):
     """The path of budgets above 256 on the GPU (tree_segment.segment_kernel_for, then beam_unless_for), here at
     small budgets in blocks of 4-16 threads with the same node capacity (BIG_CAPN): the pair writes the reference
     tree whether the segment takes it (out_n = n) or declines (out_n = -1, nothing else written, tree_beam's body
-    runs); "alternating" rows at budget 20 hold nodes 3 deviations off the chain, so there it must decline. And
-    beam_unless_for's kernel writes nothing when the count on entry says a tree was taken."""
+    runs); it must decline trees at most 2 deep (at_most_two_deep, left to tree_beam) and, at budget 20, the
+    "alternating" rows, whose trees hold nodes 3 deviations off the chain. And beam_unless_for's kernel writes
+    nothing when the count on entry says a tree was taken."""
     import numpy as np
     from optimized.kernels import tree_segment
     cases = {"draftlike": [(8, 40, 16, 4), (6, 9, 33, 16), (8, 40, 64, 16)],
-             "normal": [(3, 40, 16, 4), (5, 9, 48, 16)],
+             "normal": [(3, 40, 16, 4), (5, 9, 48, 16), (2, 40, 16, 4)],
+             "equal": [(4, 40, 16, 4), (3, 9, 33, 16), (5, 9, 64, 16)],
              "alternating": [(5, 12, 16, 4), (5, 12, 20, 4)]}[kind]
     ran = set()
+    shallow_seen = False
     for i, (depth, vocab, budget, threads) in enumerate(cases):
         if kind == "alternating":
             x = torch.full((depth, vocab), -30.0)
@@ -705,6 +708,9 @@ def test_sim_segment_own_launch_then_beam(sim, kind):
         what = f"{kind} L={depth} V={vocab} B={budget} T={threads}"
         if not took:
             assert outs[4][0] == -1 and all((o == -7).all() for o in outs[:4]), f"{what}: declined but wrote"
+        if int(want.depths.max()) <= 2:
+            assert not took, f"{what}: a tree at most 2 deep was not left to tree_beam"
+            shallow_seen = True
         ran.add(took)
         beam, tb = tree_segment.beam_unless_for(budget, threads)
         beam[1, tb](top_lp, top_id, top_lp.shape[1], budget, *outs)
@@ -718,6 +724,8 @@ def test_sim_segment_own_launch_then_beam(sim, kind):
         assert ran == {True}, ran
     if kind == "alternating":
         assert False in ran, ran
+    if kind in ("normal", "equal"):
+        assert shallow_seen and (kind == "equal" or True in ran), (shallow_seen, ran)
 
 
 def rel_of(ps: int, d: int, r: int, tm: int, tdig) -> int:
@@ -922,8 +930,9 @@ def test_gpu_segment_full_shapes(gpu, depth, budget, kind):
 def test_gpu_segment_own_launch_full_shapes(gpu, depth, budget, kind):
     """Budgets above 256: the segment selection's own launch (its pool of up to 176 KB needs the raised dynamic
     shared-memory limit, tree_numba._launch_big), then tree_beam's launch that runs only if it declined. A taken
-    tree is the reference's node for node (draft-like rows, up to 6,416 nodes in E, must be taken), a declined call
-    writes only out_n = -1, and the pair gives the reference tree either way."""
+    tree is the reference's node for node (draft-like rows, up to 6,416 nodes in E, must be taken; trees at most 2
+    deep must be left to tree_beam), a declined call writes only out_n = -1, and the pair gives the reference tree
+    either way."""
     from optimized.kernels import tree_segment
     x = logits(kind, depth, FULL_V, depth * 1000 + budget, device="cuda")
     want = ref.build_tree(x, budget)
@@ -943,6 +952,8 @@ def test_gpu_segment_own_launch_full_shapes(gpu, depth, budget, kind):
         assert int(outs[4].item()) == -1 and all(bool((o == -7).all()) for o in outs[:4]), f"{what}: declined but wrote"
     if kind == "draftlike":
         assert took, f"draft-like L={depth} B={budget} (tree depth {int(want.depths.max())}) was declined"
+    if int(want.depths.max()) <= 2:
+        assert not took, f"{what}: a tree {int(want.depths.max())} deep was not left to tree_beam"
     beam, tb = tree_segment.beam_unless_for(budget, gpu.DEFAULT_CONFIG.beam_threads)
     beam[1, tb](*args)
     assert_same_tree(ref.Tree(*(o[:int(outs[4].item())] for o in outs[:4])), want, f"{what} (took {took})")

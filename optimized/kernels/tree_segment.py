@@ -423,10 +423,39 @@ def segment_for(T: int, GA: int, capn: int = 4):
 _segments: dict = {}
 
 
+@cuda.jit(**DEVICE)
+def at_most_two_deep(top_lp, k, budget, tmp, buf):
+    """True when the tree has no node deeper than 2, by the two-level selection's exact count (tree_shallow.py): at
+    least B prefixes of depth <= 2 precede (0, 0, 0) (scores > s3, plus (0) and (0, 0) when they tie it), or L <= 2.
+    Reads the rows from global memory (a binary search in row 1 per depth-1 rank, one block scan per T ranks); every
+    thread calls it, the result is block-uniform."""
+    depth = top_lp.shape[0]
+    if depth <= 2:
+        return True
+    a0 = q_of(top_lp[0, 0])
+    b0 = q_of(top_lp[1, 0])
+    s3 = a0 + b0 + q_of(top_lp[2, 0])
+    row1 = top_lp[1]
+    total = np.int64(0)
+    for c0 in range(0, k, cuda.blockDim.x):
+        r1 = c0 + cuda.threadIdx.x
+        c = np.int64(0)
+        if r1 < k:
+            qa = q_of(top_lp[0, r1])
+            c = (1 if qa > s3 else 0) + count_prefix(row1, 0, k, lp_of(s3 - qa), True, 0, 0, 0, 0)
+            if r1 == 0:
+                c += (1 if a0 == s3 else 0) + (1 if a0 + b0 == s3 else 0)
+        _, tot = block_scan(c, tmp, buf)
+        total += tot
+    return total >= budget
+
+
 def segment_kernel_for(budget: int, max_threads: int):
     """(kernel, T, smem): the segment selection in its own launch (the launcher uses it above SEGMENT_BMAX, up to
     BIG_BMAX, where its pool of 176 C bytes does not fit beside tree_beam's body): it writes the tree and its node
     count, or out_n = -1 when it declines; then beam_unless_for's kernel runs tree_beam's body only if out_n < 0.
+    It declines at once trees at most 2 deep (at_most_two_deep), which tree_beam builds in two steps: on those it was
+    slower (tree_run22, H100, budget 1024, normal rows: 44.7 / 51.3 us against tree_beam's 28.1 / 32.6).
     smem exceeds 48 KB: launch it through tree_numba._launch_big, which raises the kernel's dynamic limit."""
     if not 1 <= budget <= BIG_BMAX:
         raise ValueError(f"the segment's own launch takes budgets up to {BIG_BMAX}, got {budget}")
@@ -441,7 +470,10 @@ def segment_kernel_for(budget: int, max_threads: int):
 
         @cuda.jit(**jit)
         def segment_alone(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
-            if not segment(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n):
+            tmp = cuda.shared.array(32, np.int64)
+            buf = cuda.shared.array(TBUF, np.int64)
+            if (at_most_two_deep(top_lp, k, budget, tmp, buf)
+                    or not segment(top_lp, top_id, k, budget, out_tok, out_dep, out_par, out_score, out_n)):
                 if cuda.threadIdx.x == 0:
                     out_n[0] = -1
 
