@@ -8,8 +8,9 @@ Times (CUDA events, warm-up, median of 100; extra_info, microseconds):
   eager_us   launches as a synchronous caller issues them (Numba's per-launch CPU cost included)
   topk_device_us, beam_device_us, compile_device_us: the stages alone (device execution); beam: tree_beam's
              (Config.shallow off); beam_default_device_us: the default config's beam stage (above budget 32 the
-             two-level selection, tree_shallow.py, where the tree is at most 2 deep, and up to budget 64 the
-             segment selection, tree_segment.py; default_same_tree: the same tree as tree_beam's)
+             two-level selection, tree_shallow.py, where the tree is at most 2 deep, and the segment selection,
+             tree_segment.py, in the same launch up to budget 256, in its own launch above, declining trees at
+             most 2 deep; default_same_tree: the same tree as tree_beam's)
   beam_list_device_us, device_list_us: the warp-list beam (tree_list.py, Config.list_max) alone, and the whole
              path with it, at budgets up to LIST_BMAX (list_same_tree: it built the same tree)
   device_us  the default path (DEFAULT_CONFIG: the list beam up to budget LIST_DEFAULT), device execution only:
@@ -50,8 +51,9 @@ def _write_summary(info: dict) -> None:
     lines = [f"# Tree path on {info.get('gpu', '?')} ({day}, commit {info.get('commit', '?')})", "",
              "V = 163,840; draft logits on the device -> compiled tree on the device. Microseconds (median).",
              f"`device`: the default path (up to budget {LIST_DEFAULT} one warp: tree_beam's body on trees at most 2 "
-             "deep, else the warp-list beam; above: the two-level selection on trees at most 2 deep, then up to "
-             "budget 64 the segment selection, then tree_beam); `beam (default)`: its beam stage alone; "
+             "deep, else the warp-list beam; above: the two-level selection on trees at most 2 deep up to budget "
+             "256, the segment selection (in its own launch above 256, where it leaves trees at most 2 deep to "
+             "tree_beam), then tree_beam); `beam (default)`: its beam stage alone; "
              "`beam`: tree_beam alone; `beam (list)` and `device (list)`: the warp-list beam alone and the whole path with it "
              "(budgets <= 256); `beam (thr)` and `device (thr)`: the threshold beam alone and the whole path with it "
              "(budgets <= 512; rounds: its enumerations).",
