@@ -33,7 +33,9 @@ Shared memory: the launch's dynamic pool (segment_layout; 132 C bytes, 33 KB at 
 Measured (tree_run20, H100, the beam stage alone, budget 64, 64 threads): 30.2 / 33.4 us on draft-like rows at L = 7 /
     15 (trees 7 / 12 deep) against tree_beam's 32.7 / 53.5: latency-bound (two warps, ~15 barrier phases); in one
     warp (budgets <= 32) slower than the list beam (27.9 against 15.2 us), so the auto beam does not use it.
-    Budgets 128-256 (where tree_beam takes 59-110 us on draft-like rows): not yet measured.
+    tree_run22 (H100): budget 256, 256 threads, 33.9 / 41.2 us against tree_beam's 59.3 / 110.4 (draft-like L = 7 /
+    15); its own launch at 1024 (1,024 threads), 55.3 / 90.3 against 93.8 / 245.3, but on 2-deep normal rows 44.7 /
+    51.3 against 28.1 / 32.6, so that launch now leaves trees at most 2 deep to tree_beam (at_most_two_deep).
 """
 from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shim)
 
