@@ -486,7 +486,8 @@ def test_sim_threshold_beam_refines_through_ties(sim, monkeypatch):
 
 @sim_only
 @pytest.mark.parametrize("kind, depth, vocab, budget", [("normal", 3, 8, 10), ("peaked", 4, 3, 9),
-                                                        ("equal", 2, 4, 20), ("normal", 1, 40, 33)])
+                                                        ("equal", 2, 4, 20), ("normal", 1, 40, 33),
+                                                        ("draftlike", 5, 40, 64)])   # 195 (row, word) pairs: 2 blocks
 def test_sim_compile_follow_commit(sim, kind, depth, vocab, budget):
     tree = ref.build_tree(logits(kind, depth, vocab, 7), budget)
     check_compile(sim, tree, root=9, start=4)
@@ -623,6 +624,14 @@ def probe(top_lp, top_id, k, budget, tok, dep, par, score, n, took):
     assert kind == "masked" or seen == {True, False}, (kind, seen)
 
 
+def alternating_logits(depth: int, vocab: int) -> torch.Tensor:
+    """Two near-equal favourites at depths 1, 3, 5, ... and one at 2, 4, ...: from budget 20 the tree holds nodes 3
+    deviations off the rank-0 chain (budget 16: 2), which the segment selection must decline."""
+    x = torch.full((depth, vocab), -30.0)
+    x[0::2, 0], x[0::2, 1], x[1::2, 0] = 0.0, -0.1, 0.0
+    return x
+
+
 @sim_only
 @pytest.mark.parametrize("kind", ["normal", "draftlike", "integer", "equal", "peaked", "collapse", "masked",
                                   "alternating"])
@@ -654,8 +663,7 @@ def probe(top_lp, top_id, k, budget, tok, dep, par, score, n, took):
         ga = max(1, cap // threads)
         probe = sim_kernel(src, "probe", seg=tree_segment.segment_for(threads, ga))
         if kind == "alternating":
-            x = torch.full((depth, vocab), -30.0)
-            x[0::2, 0], x[0::2, 1], x[1::2, 0] = 0.0, -0.1, 0.0
+            x = alternating_logits(depth, vocab)
         else:
             x = logits(kind, depth, vocab, 31 * i + depth)
         want = ref.build_tree(x, budget)
@@ -694,8 +702,7 @@ def test_sim_segment_own_launch_then_beam(sim, kind):
     shallow_seen = False
     for i, (depth, vocab, budget, threads) in enumerate(cases):
         if kind == "alternating":
-            x = torch.full((depth, vocab), -30.0)
-            x[0::2, 0], x[0::2, 1], x[1::2, 0] = 0.0, -0.1, 0.0
+            x = alternating_logits(depth, vocab)
         else:
             x = logits(kind, depth, vocab, 7 * i + depth)
         want = ref.build_tree(x, budget)
