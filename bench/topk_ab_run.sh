@@ -9,7 +9,7 @@
 # (each probe JSON's meta.commit is the checkout's; gpu.txt names the commit of each earlier tree from its COMMIT)
 # Usage (repository root, on the GPU machine; set DDTREE_COMMIT where .git is stale): OUT=dir bash bench/topk_ab_run.sh
 # (TREE_K: the tree tests' -k expression, default gpu; NCU_CASE: "L budget kind" for ncu, default "15 16 normal";
-# TOTAL, TEST_TIMEOUT, PROBE_TIMEOUT: seconds)
+# TOTAL, TEST_TIMEOUT (default 300: the tree GPU conformance with its JIT compiles, run 22), PROBE_TIMEOUT: seconds)
 set -u
 OUT=${OUT:-/tmp/topk_ab}
 mkdir -p "$OUT"
@@ -27,7 +27,7 @@ left() { echo $(( ${TOTAL:-580} - ($(date +%s) - T0) )); }
 } > "$R/gpu.txt" 2>&1
 cat "$R/gpu.txt"; pack
 q="-q -p no:cacheprovider --tb=short"
-timeout ${TEST_TIMEOUT:-170} python3 -m pytest conformance/test_tree_numba.py -k "${TREE_K:-gpu}" $q -rP > "$R/tree_tests.txt" 2>&1
+timeout ${TEST_TIMEOUT:-300} python3 -m pytest conformance/test_tree_numba.py -k "${TREE_K:-gpu}" $q -rP > "$R/tree_tests.txt" 2>&1
 el "tree conformance rc=$?"; grep -E "passed|failed|FAILED" "$R/tree_tests.txt" | tail -4; pack
 for d in .ab/* .; do
   [ -d "$d/optimized" ] || continue
