@@ -216,10 +216,9 @@ def _beam_stage(k: int, budget: int, ws: _Workspace, cfg: Config, s, tokens, dep
         return
     smem = 0                                     # dynamic shared memory (the two-level and segment selections')
     if cfg.shallow and SHALLOW_BMAX < budget <= BIG_BMAX and budget > cfg.list_max:
-        seg, threads, smem = segment_kernel_for(budget, cfg.beam_threads)
-        _launch_big(seg, threads, smem, s, out)
+        seg, seg_threads, seg_smem = segment_kernel_for(budget, cfg.beam_threads)
+        _launch_big(seg, seg_threads, seg_smem, s, out)
         beam, threads = beam_unless_for(budget, cfg.beam_threads)
-        smem = 0
     elif budget <= min(cfg.list_max, WARP):
         beam, threads = auto_for(budget)
     elif budget <= cfg.list_max:
@@ -236,7 +235,8 @@ _big_ready: dict = {}
 
 def _launch_big(kernel, threads: int, smem: int, s, args) -> None:
     """Launch `kernel` with `smem` bytes of dynamic shared memory, above the 48 KB a kernel gets without asking:
-    once per kernel, argument types and device, its specialization's limit is raised to smem
+    once per kernel and device, its specialization to these argument types (the launcher's are always the same:
+    another set fails that dispatcher's type check) gets its limit raised to smem
     (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES; numba-cuda has no public call for it, so this goes through the
     driver binding numba-cuda itself uses for the shared-memory carveout). A refusal raises: no other beam runs in
     its place."""
@@ -244,7 +244,7 @@ def _launch_big(kernel, threads: int, smem: int, s, args) -> None:
         kernel[1, threads, s, smem](*args)
         return
     dev = cuda.get_current_device().id
-    key = (id(kernel), smem, dev, tuple(kernel.typeof_pyval(a) for a in args))
+    key = (id(kernel), smem, dev)
     spec = _big_ready.get(key)
     if spec is None:
         spec = kernel.specialize(*args)

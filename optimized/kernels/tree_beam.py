@@ -36,7 +36,7 @@ from .. import _numba_compat  # noqa: F401,I001  (first: the numpy.row_stack shi
 import numpy as np
 from numba import cuda
 
-from .tree_device import DEVICE, SIM, TBUF, WARP, block_scan, last_at_most, n_first, pair_sort
+from .tree_device import DEVICE, SIM, TBUF, block_scan, cap_for, last_at_most, n_first, pair_sort
 
 BMAX = 64 if SIM else 1024        # largest budget (and K)
 BMAX1 = BMAX + 1
@@ -71,9 +71,7 @@ def beam_for(budget: int, max_threads: int):
 def variant_for(budget: int, max_threads: int):
     """((kernel, device body), T) for `budget` in blocks of at most max_threads; the body serves a kernel that
     picks its beam on the device (tree_list.auto_for)."""
-    cap = WARP
-    while cap < budget:
-        cap *= 2
+    cap = cap_for(budget)
     threads = min(max_threads, cap)
     ga = cap // threads
     key = (threads, ga, max(1, NEW_FACTOR * ga))

@@ -212,6 +212,14 @@ def warp_scan32(x, buf):
     return x
 
 
+def cap_for(budget: int) -> int:
+    """C: the budget rounded up to a power of two, at least a warp (the beam kernels' capacity, host side)."""
+    cap = WARP
+    while cap < budget:
+        cap *= 2
+    return cap
+
+
 _find_bins: dict = {}
 
 

@@ -43,8 +43,8 @@ import numpy as np
 from numba import cuda, types   # pool arrays: numba types (the simulator takes no numpy scalar class)
 
 from .tree_beam import SCALE, q_of, variant_for
-from .tree_device import (DEVICE, LP_GRID, SIM, TBUF, WARP, block_scan, buckets_above, count_prefix, find_bin_for,
-                          last_at_most)
+from .tree_device import (DEVICE, LP_GRID, SIM, TBUF, block_scan, buckets_above, cap_for, count_prefix,
+                          find_bin_for, last_at_most)
 
 SEGMENT_BMAX = 64 if SIM else 256   # largest budget in the shallow kernel (C = 256: a 33 KB pool beside 13 KB static)
 BIG_BMAX = 1024             # largest budget of the segment's own launch (segment_kernel_for; C = 1024: a 176 KB pool)
@@ -461,9 +461,7 @@ def segment_kernel_for(budget: int, max_threads: int):
     smem exceeds 48 KB: launch it through tree_numba._launch_big, which raises the kernel's dynamic limit."""
     if not 1 <= budget <= BIG_BMAX:
         raise ValueError(f"the segment's own launch takes budgets up to {BIG_BMAX}, got {budget}")
-    cap = WARP
-    while cap < budget:
-        cap *= 2
+    cap = cap_for(budget)
     T = min(max_threads, cap)
     key = (T, cap // T)
     if key not in _big:

@@ -36,7 +36,7 @@ import numpy as np
 from numba import cuda, types   # pool arrays: numba types (the simulator takes no numpy scalar class)
 
 from .tree_beam import SCALE, q_of, variant_for
-from .tree_device import DEVICE, SIM, TBUF, WARP, block_scan, buckets_above, count_prefix, last_at_most
+from .tree_device import DEVICE, SIM, TBUF, block_scan, buckets_above, cap_for, count_prefix, last_at_most
 from .tree_segment import SEGMENT_BMAX, segment_for, segment_layout
 
 SHALLOW_BMAX = 64 if SIM else 256   # largest budget (C <= 256: the candidates' keys fit shared memory)
@@ -208,9 +208,7 @@ def shallow_for(budget: int, max_threads: int):
     if budget > SHALLOW_BMAX:
         raise ValueError(f"the two-level selection takes budgets up to {SHALLOW_BMAX}, got {budget}")
     (_, bbody), threads = variant_for(budget, max_threads)
-    cap = WARP
-    while cap < budget:
-        cap *= 2
+    cap = cap_for(budget)
     key = (threads, max(1, cap // threads), budget <= SEGMENT_BMAX)
     if key not in _kernels:
         _kernels[key] = _make_shallow(bbody, *key)

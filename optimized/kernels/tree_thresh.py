@@ -46,8 +46,8 @@ import numpy as np
 from numba import cuda
 
 from .tree_beam import PAD_Q, SCALE, q_of
-from .tree_device import (DEVICE, SIM, TBUF, WARP, block_scan, count_prefix, find_bin_for, first_digit, last_at_most,
-                          pair_sort)
+from .tree_device import (DEVICE, SIM, TBUF, WARP, block_scan, cap_for, count_prefix, find_bin_for, first_digit,
+                          last_at_most, pair_sort)
 from .tree_list import MAX_DEPTH
 
 CAP_FACTOR = 4                    # the enumeration buffer holds CAP_FACTOR * C nodes (>= 2: a step must move tau)
@@ -63,14 +63,6 @@ BMAX_THRESH = 64 if SIM else 512  # largest budget: the nodes (4 C of them) live
 # At most 512 threads: the kernel keeps ~130 values live; 1024 threads leave 64 registers a thread (ptxas, sm_90:
 # 288 B of spill stores), 512 leave 128 (12 B). Its levels hold a few nodes a thread either way.
 THREADS_MAX = 512
-
-
-def cap_for(budget: int) -> int:
-    """C: the budget rounded up to a power of two, at least a warp."""
-    cap = WARP
-    while cap < budget:
-        cap *= 2
-    return cap
 
 
 def scratch_nodes(budget: int) -> int:
