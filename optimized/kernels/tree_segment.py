@@ -29,7 +29,9 @@ Shared memory: the launch's dynamic pool (segment_layout; 132 C bytes, 33 KB at 
     two-level selection used before it declined (tree_shallow.pool_bytes); the rows' lp are kept as fp32 (compared
     with fp64 bounds, exact: lp_of) and their room is reused by the ranking's arrays, and the product bound's terms
     are derived from the segment's ranks (seg_prod) instead of stored, so that budgets up to 256 fit 48 KB beside
-    tree_beam's body (12 KB at C = 256; the bodies' static arrays would not: 26 + 42 + 12 KB).
+    tree_beam's body (12 KB at C = 256; the bodies' static arrays would not: 26 + 42 + 12 KB). Up to C = 128
+    (WIDE_CMAX) the pool has room for the layout of tree_run20's timing (int64 rows, 4 C buckets, 200 C bytes); the
+    fp32 rows and 2 C buckets made budget 64 slower (tree_run22: 30.7 / 34.7 against 27.6 / 30.9 us).
 Measured (tree_run20, H100, the beam stage alone, budget 64, 64 threads): 30.2 / 33.4 us on draft-like rows at L = 7 /
     15 (trees 7 / 12 deep) against tree_beam's 32.7 / 53.5: latency-bound (two warps, ~15 barrier phases); in one
     warp (budgets <= 32) slower than the list beam (27.9 against 15.2 us), so the auto beam does not use it.
@@ -49,6 +51,8 @@ from .tree_device import (DEVICE, LP_GRID, SIM, TBUF, block_scan, buckets_above,
 SEGMENT_BMAX = 64 if SIM else 256   # largest budget in the shallow kernel (C = 256: a 33 KB pool beside 13 KB static)
 BIG_BMAX = 1024             # largest budget of the segment's own launch (segment_kernel_for; C = 1024: a 176 KB pool)
 BIG_CAPN = 7                # its node capacity per unit of C (draft-like L = 15, budget 1024: 6,416 nodes in E)
+WIDE_CMAX = 32 if SIM else 128   # up to this C the rows are int64, the buckets 4 C (segment_layout: 25 KB at 128;
+                                 # the simulator's budgets 33-64 run the fp32 rows)
 LMAX = 15                   # most depths (tree_list.MAX_DEPTH)
 LMAX1 = LMAX + 1            # (a shared array's size must be one constant, not an expression)
 NONE = -(2 ** 62)           # no bound
@@ -81,19 +85,21 @@ def ev_dev(p, r):
 def segment_layout(T: int, GA: int, capn: int = 4) -> dict:
     """The body's arrays in the launch's dynamic shared memory (in the shallow kernel shared with the two-level
     selection's, which runs first: tree_shallow.pool_bytes), as element offsets of their own dtype, and "bytes", the
-    pool it needs; capn C nodes, and bucket counts for 2 C (4 C with more than 4 C nodes, in the segment's own launch,
-    where the pool has room). The rows' scores (fp32, read until the level-2 segments are made) share their room
-    with the ranking's arrays."""
+    pool it needs; capn C nodes. "wide" (C <= WIDE_CMAX, where the pool has room): the rows' scores as int64 (units
+    of 2^-28) and bucket counts for 4 C; else the rows as fp32 (compared with fp64 bounds, lp_of) and 2 C buckets
+    (4 C with more than 4 C nodes, in the segment's own launch). The rows (read until the level-2 segments are made)
+    share their room with the ranking's arrays."""
     C = T * GA
-    caps, nlp, nbk = 2 * C, LMAX * C, (2 if capn <= 4 else 4) * C
+    wide = C <= WIDE_CMAX
+    caps, nlp, nbk = 2 * C, LMAX * C, (4 if wide or capn > 4 else 2) * C
     capn *= C
     union = 8 * caps                                          # int64 s_pen first, then the union (8-aligned)
-    i32 = union + max(4 * nlp, 12 * capn)                     # cnt, s_par, s_pseg, s_node0, ioff
+    i32 = union + max((8 if wide else 4) * nlp, 12 * capn)    # cnt, s_par, s_pseg, s_node0, ioff
     i16 = i32 + 4 * (nbk + 3 * caps + capn)                   # s_i, s_r
-    return {"C": C, "CAPS": caps, "CAPN": capn, "NLP": nlp, "NBK": nbk, "lq": union // 4, "g_sc": union // 8,
-            "g_id": union // 4 + 2 * capn, "cnt": i32 // 4, "s_par": i32 // 4 + nbk, "s_pseg": i32 // 4 + nbk + caps,
-            "s_node0": i32 // 4 + nbk + 2 * caps, "ioff": i32 // 4 + nbk + 3 * caps, "s_i": i16 // 2,
-            "s_r": i16 // 2 + caps, "bytes": i16 + 4 * caps}
+    return {"C": C, "wide": wide, "CAPS": caps, "CAPN": capn, "NLP": nlp, "NBK": nbk, "lq": union // 4,
+            "lq64": union // 8, "g_sc": union // 8, "g_id": union // 4 + 2 * capn, "cnt": i32 // 4,
+            "s_par": i32 // 4 + nbk, "s_pseg": i32 // 4 + nbk + caps, "s_node0": i32 // 4 + nbk + 2 * caps,
+            "ioff": i32 // 4 + nbk + 3 * caps, "s_i": i16 // 2, "s_r": i16 // 2 + caps, "bytes": i16 + 4 * caps}
 
 
 def segment_for(T: int, GA: int, capn: int = 4):
@@ -111,13 +117,28 @@ def segment_for(T: int, GA: int, capn: int = 4):
     NBK = lay["NBK"]            # buckets (a multiple of T)
     NLP = lay["NLP"]
     RPN = CAPN // T             # nodes per thread
-    O_LQ, O_GSC, O_GID, O_CNT = lay["lq"], lay["g_sc"], lay["g_id"], lay["cnt"]
+    WIDE = lay["wide"]
+    O_LQ, O_LW, O_GSC, O_GID, O_CNT = lay["lq"], lay["lq64"], lay["g_sc"], lay["g_id"], lay["cnt"]
     O_PAR, O_PSEG, O_NODE0, O_IOFF, O_I, O_R = (lay[n] for n in ("s_par", "s_pseg", "s_node0", "ioff", "s_i", "s_r"))
     find_bin = find_bin_for(T)
 
     @cuda.jit(**DEVICE)
-    def start_pass(lq, zz, depth, k, lo, scale, bb, cnt, shr):
-        """Over the start scores zz[d] + lq[d * C + r] (a constant trip count over the depths: the loads go out
+    def rq(lq, lw, i):
+        """Row value i in units of 2^-28: the int64 rows lw when WIDE, else the fp32 rows lq (the other is unused)."""
+        if WIDE:
+            return lw[i]
+        return q_of(lq[i])
+
+    @cuda.jit(**DEVICE)
+    def prefix(lq, lw, base, k, v, a, b, budget):
+        """count_prefix of the row at base: ranks scoring > v (units of 2^-28) within the product bound."""
+        if WIDE:
+            return count_prefix(lw, base, k, v, True, a, b, 1, budget)
+        return count_prefix(lq, base, k, lp_of(v), True, a, b, 1, budget)
+
+    @cuda.jit(**DEVICE)
+    def start_pass(lq, lw, zz, depth, k, lo, scale, bb, cnt, shr):
+        """Over the start scores zz[d] + row d's rank r (a constant trip count over the depths: the loads go out
         together): bb < 0, count each into its bucket; else the smallest score in bucket bb into shr[0]."""
         tid = cuda.threadIdx.x
         for d in range(LMAX):
@@ -125,7 +146,7 @@ def segment_for(T: int, GA: int, capn: int = 4):
                 for a in range(GA):
                     r = tid + a * T
                     if r < k:
-                        v = zz[d] + q_of(lq[d * C + r])
+                        v = zz[d] + rq(lq, lw, d * C + r)
                         b = min(np.int32(np.float64(v - lo) * scale), np.int32(NBK - 1))
                         if bb < 0:
                             cuda.atomic.add(cnt, b, 1)
@@ -170,6 +191,7 @@ def segment_for(T: int, GA: int, capn: int = 4):
         p16 = cuda.shared.array(0, types.int16)
         pf = cuda.shared.array(0, types.float32)
         lq = pf[O_LQ:O_LQ + NLP]                     # the rows' lp (fp32 grid values), row d at d * C; until level 2
+        lw = p64[O_LW:O_LW + NLP]                    #   (or when WIDE, in the same room, as int64 units of 2^-28)
         g_sc = p64[O_GSC:O_GSC + CAPN]               # then in its room: nodes grouped by bucket, score and node
         g_id = p32[O_GID:O_GID + CAPN]
         zz = cuda.shared.array(LMAX1, np.int64)      # chain scores by depth
@@ -195,7 +217,10 @@ def segment_for(T: int, GA: int, capn: int = 4):
                 for a in range(GA):
                     r = tid + a * T
                     if r < k:
-                        lq[d * C + r] = top_lp[d, r]
+                        if WIDE:
+                            lw[d * C + r] = q_of(top_lp[d, r])
+                        else:
+                            lq[d * C + r] = top_lp[d, r]
         for b in range(tid, NBK, T):
             cnt[b] = 0
         cuda.syncthreads()
@@ -207,14 +232,14 @@ def segment_for(T: int, GA: int, capn: int = 4):
             b2 = np.int64(NONE)
             b3 = np.int64(NONE)
             u = np.int64(NONE)
-            lo = q_of(lq[k - 1])
+            lo = rq(lq, lw, k - 1)
             for d in range(depth):
-                q0 = q_of(lq[d * C])
-                lo = min(lo, z + q_of(lq[d * C + k - 1]))
+                q0 = rq(lq, lw, d * C)
+                lo = min(lo, z + rq(lq, lw, d * C + k - 1))
                 z += q0
                 zz[d + 1] = z
                 if k > 1:
-                    q1 = q_of(lq[d * C + 1])
+                    q1 = rq(lq, lw, d * C + 1)
                     n3 = max(b3 + q0 if b3 > NONE else NONE, b2 + q1 if b2 > NONE else NONE)
                     n2 = max(b2 + q0 if b2 > NONE else NONE, b1 + q1 if b1 > NONE else NONE)
                     n1 = max(b1 + q0 if b1 > NONE else NONE, b0 + q1)
@@ -223,7 +248,7 @@ def segment_for(T: int, GA: int, capn: int = 4):
                     u = max(u, b3)
             sc[1] = u
             sc[2] = lo
-            sc[3] = q_of(lq[0])
+            sc[3] = rq(lq, lw, 0)
         cuda.syncthreads()
         u = sc[1]
         theta = u
@@ -231,13 +256,13 @@ def segment_for(T: int, GA: int, capn: int = 4):
             lo = sc[2]                               #   the smallest score in it
             span = np.float64(sc[3] - lo)
             scale = (NBK - 1) / span if span > 0.0 else 0.0
-            start_pass(lq, zz, depth, k, lo, scale, -1, cnt, shr)
+            start_pass(lq, lw, zz, depth, k, lo, scale, -1, cnt, shr)
             cuda.syncthreads()
             bb, _ = find_bin(cnt, NBK, budget, tmp, buf, shr)
             if tid == 0:
                 shr[0] = np.int64(-NONE)
             cuda.syncthreads()
-            start_pass(lq, zz, depth, k, lo, scale, bb, cnt, shr)
+            start_pass(lq, lw, zz, depth, k, lo, scale, bb, cnt, shr)
             for b in range(tid, NBK, T):
                 cnt[b] = 0
             cuda.syncthreads()
@@ -254,7 +279,7 @@ def segment_for(T: int, GA: int, capn: int = 4):
             j = c0 + tid
             c = np.int64(0)
             if j < m1:
-                c = max(0, count_prefix(lq, j * C, k, lp_of(theta - zz[j]), True, j, 1, 1, budget) - 1)
+                c = max(0, prefix(lq, lw, j * C, k, theta - zz[j], j, 1, budget) - 1)
             ex, tot = block_scan(c, tmp, buf)
             if j < m1:
                 ioff[j] = np.int32(base + ex)
@@ -278,7 +303,7 @@ def segment_for(T: int, GA: int, capn: int = 4):
             s_pseg[g] = -1
             s_i[g] = np.int16(j + 1)
             s_r[g] = np.int16(r)
-            s_pen[g] = q_of(lq[j * C + r]) - q_of(lq[j * C])
+            s_pen[g] = rq(lq, lw, j * C + r) - rq(lq, lw, j * C)
         cuda.syncthreads()
         # nodes of the chain and the level-1 segments
         base = np.int64(0)
@@ -312,8 +337,7 @@ def segment_for(T: int, GA: int, capn: int = 4):
                 if d < depth:
                     spar, mult = seg_prod(g, s_i, s_r, s_pseg)
                     sn = spar + (d - s_i[g] + 1) * mult
-                    bound = lp_of(theta - zz[d] - s_pen[g])
-                    c = max(0, count_prefix(lq, d * C, k, bound, True, sn, mult, 1, budget) - 1)
+                    c = max(0, prefix(lq, lw, d * C, k, theta - zz[d] - s_pen[g], sn, mult, budget) - 1)
             ex, tot = block_scan(c, tmp, buf)
             if it < nit:
                 ioff[it] = np.int32(base + ex)
@@ -333,7 +357,7 @@ def segment_for(T: int, GA: int, capn: int = 4):
             s_pseg[h] = g
             s_i[h] = np.int16(d + 1)
             s_r[h] = np.int16(r)
-            s_pen[h] = s_pen[g] + q_of(lq[d * C + r]) - q_of(lq[d * C])
+            s_pen[h] = s_pen[g] + rq(lq, lw, d * C + r) - rq(lq, lw, d * C)
         cuda.syncthreads()
         base = nn1
         for c0 in range(0, n2, T):
