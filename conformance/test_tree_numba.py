@@ -487,7 +487,7 @@ def test_sim_threshold_beam_refines_through_ties(sim, monkeypatch):
 @sim_only
 @pytest.mark.parametrize("kind, depth, vocab, budget", [("normal", 3, 8, 10), ("peaked", 4, 3, 9),
                                                         ("equal", 2, 4, 20), ("normal", 1, 40, 33),
-                                                        ("draftlike", 5, 40, 64)])   # 195 (row, word) pairs: 2 blocks
+                                                        ("draftlike", 5, 40, 64)])   # 195 (row, word) pairs: 4 blocks
 def test_sim_compile_follow_commit(sim, kind, depth, vocab, budget):
     tree = ref.build_tree(logits(kind, depth, vocab, 7), budget)
     check_compile(sim, tree, root=9, start=4)

@@ -37,7 +37,7 @@ from .kernels.tree_thresh import BMAX_THRESH, SCRATCH_ROWS, STATS, scratch_nodes
 from .kernels.tree_device import SIM, WARP
 from .kernels.tree_topk import (CAP, EPT, NB, PMAX, SORT_NA, TOPK_T, WAVE_BLOCKS, topk_filter,
                                 topk_stats)
-from .kernels.tree_verify import COMPILE_T, commit_kv, compile_rows, follow, gather_rows
+from .kernels.tree_verify import COMPILE_T, COMPILE_W, commit_kv, compile_rows, follow, gather_rows
 from reference.tree import CompiledTree, Tree, check_build_args, node_count
 
 
@@ -325,7 +325,7 @@ def compile_tree(tree: Tree, root_token: Union[int, torch.Tensor], start: int, *
     depths = torch.empty(rows, dtype=torch.long, device=device)
     vis = torch.empty(rows, rows, dtype=torch.bool, device=device)
     bits = torch.empty(rows, words, dtype=torch.int32, device=device) if bits_out is None else bits_out
-    blocks = -(-rows * words // COMPILE_T)
+    blocks = -(-rows * words // COMPILE_W)
     compile_rows[blocks, COMPILE_T, _stream(device)](
         _arr(tree.tokens.long().contiguous()), _arr(tree.depths.long().contiguous()),
         _arr(tree.parents.long().contiguous()), _arr(root), root_val, start, _arr(ids), _arr(positions), _arr(parents),

@@ -1,12 +1,15 @@
 """Tree compile, acceptance walk and KV commit on the GPU (the stages after build_tree).
 
-compile_rows   grid over (row, word) pairs, one thread each (blocks of COMPILE_T): every block first copies the
-               parents to shared memory (one coalesced load), then each thread walks its row's ancestor chain
-               (<= L steps) there and writes one 32-bit word of the packed visibility; word-0 threads also write
-               ids, positions, parents and depths of their row. The booleans of the block's words are one
-               contiguous range of the [n+1, n+1] matrix: the words go through shared memory and the block writes
-               that range a byte a thread (consecutive threads, consecutive bytes), where a thread writing its own
-               word's 32 booleans made every warp store touch 32 sectors.
+compile_rows   grid over (row, word) pairs, COMPILE_W a block of COMPILE_T threads: every block first copies the
+               parents to shared memory (one coalesced load), then each of its first COMPILE_W threads walks its
+               row's ancestor chain (<= L steps) there and writes one 32-bit word of the packed visibility; word-0
+               threads also write ids, positions, parents and depths of their row. The booleans of the block's
+               words are one contiguous range of the [n+1, n+1] matrix: the words go through shared memory and the
+               block writes that range a byte a thread (consecutive threads, consecutive bytes), where a thread
+               writing its own word's 32 booleans made every warp store touch 32 sectors. tree_run23 (H100): that
+               store pattern took compile at budget 1024 from 18.2 to 13.4 us, but with 128 words a block (32
+               bytes a thread, a division each) budget 64 from 6.2 to 9.0; hence 64 words a block and the byte's
+               row and column stepped without a division.
                Packed format: words per row W = ceil((n+1)/32); bit b of word w of row i is vis[i, 32w+b];
                bits past column n are 0; stored in int32 (the uint32 bit pattern).
 follow         one block: per step, the threads scan the rows for the child of the current node carrying the
@@ -26,6 +29,7 @@ from .tree_beam import BMAX1 as ROWS_MAX   # budget + 1 rows at most
 from .tree_device import KERNEL
 
 COMPILE_T = 128                            # compile_rows' block size (its launch must use it)
+COMPILE_W = 64                             # (row, word) pairs a block: their booleans are 16 bytes a thread
 
 
 @cuda.jit(**KERNEL)
@@ -34,48 +38,55 @@ def compile_rows(tokens, depths, parents, root_arr, root_val, start, ids, positi
     words = bits.shape[1]
     tid = cuda.threadIdx.x
     sp = cuda.shared.array(ROWS_MAX, np.int16)      # parent of node j (j >= 1), read from shared memory
-    sw = cuda.shared.array(COMPILE_T, np.int64)     # the block's words, for the booleans
+    sw = cuda.shared.array(COMPILE_W, np.int64)     # the block's words, for the booleans
     for j in range(tid, rows - 1, COMPILE_T):
         sp[j + 1] = parents[j]
     cuda.syncthreads()
     total = rows * words
-    g0 = cuda.blockIdx.x * COMPILE_T
+    g0 = cuda.blockIdx.x * COMPILE_W
     g = g0 + tid
-    word = np.int64(0)
-    if g < total:
-        i = g // words
-        w = g - i * words
-        if w == 0:
-            if i == 0:
-                ids[0] = root_arr[0] if root_val < 0 else root_val
-                positions[0] = start
-                par_out[0] = -1
-                dep_out[0] = 0
-            else:
-                ids[i] = tokens[i - 1]
-                positions[i] = start + depths[i - 1]
-                par_out[i] = sp[i]
-                dep_out[i] = depths[i - 1]
-        j = np.int64(i)
-        while j >= 0:                        # i, its parent, ..., the root
-            if j // 32 == w:
-                word |= np.int64(1) << (j % 32)
-            j = np.int64(sp[j]) if j > 0 else np.int64(-1)
-        bits[i, w] = np.int32(word - (np.int64(1) << 32) if word >= (np.int64(1) << 31) else word)
-    sw[tid] = word
+    if tid < COMPILE_W:
+        word = np.int64(0)
+        if g < total:
+            i = g // words
+            w = g - i * words
+            if w == 0:
+                if i == 0:
+                    ids[0] = root_arr[0] if root_val < 0 else root_val
+                    positions[0] = start
+                    par_out[0] = -1
+                    dep_out[0] = 0
+                else:
+                    ids[i] = tokens[i - 1]
+                    positions[i] = start + depths[i - 1]
+                    par_out[i] = sp[i]
+                    dep_out[i] = depths[i - 1]
+            j = np.int64(i)
+            while j >= 0:                    # i, its parent, ..., the root
+                if j // 32 == w:
+                    word |= np.int64(1) << (j % 32)
+                j = np.int64(sp[j]) if j > 0 else np.int64(-1)
+            bits[i, w] = np.int32(word - (np.int64(1) << 32) if word >= (np.int64(1) << 31) else word)
+        sw[tid] = word
     cuda.syncthreads()
     if g0 >= total:
         return
-    gl = min(g0 + COMPILE_T, total) - 1      # the block's last (row, word) pair
+    gl = min(g0 + COMPILE_W, total) - 1      # the block's last (row, word) pair
     i0 = g0 // words
     i1 = gl // words
     f0 = np.int32(i0 * rows + (g0 - i0 * words) * 32)
     f1 = np.int32(i1 * rows + min((gl - i1 * words) * 32 + 32, rows))
     rows32 = np.int32(rows)
-    for f in range(f0 + tid, f1, COMPILE_T):    # the booleans of the block's words, byte by byte
-        i = np.int32(f) // rows32
-        col = np.int32(f) - i * rows32
+    f = f0 + tid
+    i = f // rows32                          # (row, column) of byte f, then stepped without a division
+    col = f - i * rows32
+    while f < f1:                            # the booleans of the block's words, byte by byte
         vis[i, col] = (sw[i * words + col // 32 - g0] >> (col % 32)) & 1 == 1
+        f += COMPILE_T
+        col += COMPILE_T
+        while col >= rows32:
+            col -= rows32
+            i += 1
 
 
 @cuda.jit(**KERNEL)
