@@ -1,7 +1,6 @@
 """Probe: where the GPU tree build's time goes, per kernel and per timer. For each (kind, L, budget) it times
 torch.amax over the logits (a one-kernel read of the same bytes), the top-K's first launch alone and both together
-(the second, which reads the first's histograms and zeroes them, as the difference), the served top-K stage
-(tree_numba._topk_stage: up to K = 64 one launch, topk_one),
+(the second, which reads the first's histograms and zeroes them, as the difference),
 the beam, compile_tree and the whole build_tree, with both timers the project uses:
   single  one call between CUDA events after a spin kernel (the tree bench's `device` column)
   graph   20 calls captured in one CUDA graph, median of 15 replays, per call (the A/B scripts' rule)
@@ -20,8 +19,7 @@ from optimized import tree_numba as opt  # noqa: E402
 from test_tree_numba import event_median, logits  # noqa: E402
 from reference import tree as ref  # noqa: E402
 
-CASES = [("normal", 7, 16), ("normal", 15, 16), ("normal", 7, 64), ("normal", 15, 256), ("draftlike", 15, 256),
-         ("normal", 15, 1024)]
+CASES = [("normal", 7, 16), ("normal", 15, 16), ("normal", 15, 256), ("draftlike", 15, 256), ("normal", 15, 1024)]
 
 
 def topk_launches(x: torch.Tensor, budget: int):
@@ -68,7 +66,6 @@ def main() -> None:
             "amax": lambda: torch.amax(x, dim=1),
             "stats": stats,
             "topk": lambda: (stats(), filt()),
-            "stage": lambda: opt._topk_stage(opt._arr(x), x.shape[1], k, ws, cfg, s()),
             "beam": lambda: opt._beam_stage(k, budget, ws, cfg, s(), *outs),
             "compile": lambda: opt.compile_tree(tree, 1, 100),
             "build": lambda: opt.build_tree(x, budget),
@@ -77,8 +74,6 @@ def main() -> None:
         stats()
         filt()
         same = topk_exact(ws, x, k)
-        fns["stage"]()
-        same = same and topk_exact(ws, x, k)
         row = dict(kind=kind, L=depth, budget=budget, same_as_reference=same, threads=opt.TOPK_T, parts=ws.parts,
                    chunk=ws.chunk, depth_max=int(tree.depths.max()))
         for name, fn in fns.items():
@@ -89,7 +84,7 @@ def main() -> None:
         for timer in ("single", "graph"):   # the filter reads what stats leaves: it is priced as the difference
             row[f"filter_{timer}"] = round(row[f"topk_{timer}"] - row[f"stats_{timer}"], 1)
         rows.append(row)
-    names = ["amax", "stats", "filter", "topk", "stage", "beam", "compile", "build", "build+compile"]
+    names = ["amax", "stats", "filter", "topk", "beam", "compile", "build", "build+compile"]
     print_table("us: single call (events) / per call in a 20-call graph",
                 ["kind", "L", "B", "T", "parts", "exact"] + names,
                 [[r["kind"], r["L"], r["budget"], r["threads"], r["parts"], r["same_as_reference"]]

@@ -35,8 +35,8 @@ from .kernels.tree_segment import BIG_BMAX, beam_unless_for, segment_kernel_for
 from .kernels.tree_shallow import SHALLOW_BMAX, shallow_for
 from .kernels.tree_thresh import BMAX_THRESH, SCRATCH_ROWS, STATS, scratch_nodes, thresh_for
 from .kernels.tree_device import SIM, WARP
-from .kernels.tree_topk import (CAP, EPT, NB, ONE_KMAX, PMAX, SORT_NA, TOPK_T, WAVE_BLOCKS, topk_filter,
-                                topk_one, topk_stats)
+from .kernels.tree_topk import (CAP, EPT, NB, PMAX, SORT_NA, TOPK_T, WAVE_BLOCKS, topk_filter,
+                                topk_stats)
 from .kernels.tree_verify import COMPILE_T, COMPILE_W, commit_kv, compile_rows, follow, gather_rows
 from reference.tree import CompiledTree, Tree, check_build_args, node_count
 
@@ -52,9 +52,6 @@ class Config:
     list_max: int = 0      # budgets up to this take the warp-list beam (tree_list.py) instead of tree_beam's,
                            #   those up to WARP by tree_list.auto_for (tree_beam's body on trees <= 2 deep);
                            #   0: never. DEFAULT_CONFIG: 32 (see LIST_DEFAULT)
-    one_max: int = ONE_KMAX   # K up to this: the top-K in one launch (tree_topk.topk_one: every block selects its
-                           #   chunk's candidates by its own k-th largest logit, the row's last block checks each
-                           #   block's cut against lse and ranks them); above, or 0: topk_stats, then topk_filter
     beam: str = "tree"     # budgets above list_max: "tree" (tree_beam.py, a depth per step) or "threshold"
                            #   (tree_thresh.py, the set at or before a threshold, enumerated a level at a time)
     shallow: bool = True   # budgets above list_max's warp and up to SHALLOW_BMAX first try the two-level selection
@@ -144,9 +141,6 @@ def _check_config(cfg: Config) -> Config:
     if isinstance(cfg.list_max, bool) or not isinstance(cfg.list_max, int) or not 0 <= cfg.list_max <= LIST_BMAX:
         raise ValueError(f"list_max must be an int in 0..{LIST_BMAX} (the warp-list beam's largest budget), "
                          f"got {cfg.list_max!r}")
-    if isinstance(cfg.one_max, bool) or not isinstance(cfg.one_max, int) or not 0 <= cfg.one_max <= ONE_KMAX:
-        raise ValueError(f"one_max must be an int in 0..{ONE_KMAX} (the one-launch top-K's largest K), "
-                         f"got {cfg.one_max!r}")
     if cfg.beam not in BEAMS:
         raise ValueError(f"beam must be one of {BEAMS}, got {cfg.beam!r}")
     if not isinstance(cfg.shallow, bool):
@@ -173,9 +167,7 @@ class _Workspace:
         self.part_m = torch.empty(depth, self.parts, dtype=torch.float64, **z)
         self.part_s = torch.empty(depth, self.parts, dtype=torch.float64, **z)
         self.hist = torch.zeros(depth, NB, dtype=torch.int32, **z)
-        self.part_k = torch.empty(depth, self.parts, dtype=torch.float64, **z)   # topk_one: each block's cut
-        self.counters = torch.zeros(depth, 3, dtype=torch.int32, **z)   # candidates, blocks done, topk_one's overflow
-        self.one_path = torch.full((depth,), -1, dtype=torch.int32, **z)   # topk_one's last path: 0 ranked, 1 whole row
+        self.counters = torch.zeros(depth, 2, dtype=torch.int32, **z)
         self.cand = torch.empty(depth, CAP, dtype=torch.int64, **z)
         self.top_lp = torch.empty(depth, k, dtype=torch.float32, **z)
         self.top_id = torch.empty(depth, k, dtype=torch.int64, **z)
@@ -183,7 +175,7 @@ class _Workspace:
         nodes = scratch_nodes(budget) if cfg.beam == "threshold" else 1     # the threshold beam's buffer
         self.thresh_ints = torch.empty(SCRATCH_ROWS, nodes, dtype=torch.int32, **z)
         self.thresh_stats = torch.zeros(STATS, dtype=torch.int32, **z)     # tree_thresh.STATS
-        names = ("part_m", "part_s", "part_k", "hist", "counters", "one_path", "cand", "top_lp", "top_id", "count",
+        names = ("part_m", "part_s", "hist", "counters", "cand", "top_lp", "top_id", "count",
                  "thresh_ints", "thresh_stats")
         self.a = {name: _arr(getattr(self, name)) for name in names}
 
@@ -201,13 +193,9 @@ def _workspace(device, depth, vocab, k, budget, cfg) -> _Workspace:
 
 
 def _topk_stage(x, vocab: int, k: int, ws: _Workspace, cfg: Config, s) -> None:
-    """ws.top_lp / ws.top_id [L, K] = the per-depth candidates by rank: one launch for K <= cfg.one_max, else two."""
+    """Two launches: ws.top_lp / ws.top_id [L, K] = the per-depth candidates by rank."""
     a = ws.a
     grid, tpb = (ws.parts, a["hist"].shape[0]), cfg.topk_threads
-    if k <= cfg.one_max:
-        topk_one[grid, tpb, s](x, vocab, ws.chunk, k, a["part_m"], a["part_s"], a["part_k"], a["counters"], a["cand"],
-                               a["top_lp"], a["top_id"], a["one_path"])
-        return
     topk_stats[grid, tpb, s](x, vocab, ws.chunk, a["part_m"], a["part_s"], a["hist"])
     topk_filter[grid, tpb, s](x, vocab, ws.chunk, k, a["part_m"], a["part_s"], a["hist"], a["counters"], a["cand"],
                               a["top_lp"], a["top_id"])

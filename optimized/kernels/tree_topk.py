@@ -23,18 +23,6 @@ Two launches:
                   radix-selects the K-th largest key over the whole row, recomputing each token's key per pass, and
                   sorts the K keys above it with a bitonic network (tree_device.pair_sort; exact, slow, tie-heavy
                   rows only).
-K <= ONE_KMAX (budgets up to 64; Config.one_max): one launch instead,
-    topk_one      each block does topk_stats' pass over its chunk (partials into the row's; its histogram stays in
-                  shared memory), then selects its own candidates without waiting for any other block: it finds its
-                  own k-th largest logit x_k (the bin of its histogram, then a count over the tokens staged from it),
-                  and keeps every token with x >= x_k - (|x_k - m| + ONE_SLACK) 2^-21, m its own max (a chunk of at
-                  most k tokens keeps them all). The row's last block finds lse, checks every block's cut against
-                  it (the filter's band needs |x_k - lse| + 1 in place of |x_k - m| + ONE_SLACK, and x_k's
-                  log-prob above the floor), then ranks the ~P * K candidates as topk_filter's last block does; a
-                  failed check or more than ONE_CAP candidates takes the whole-row select. Exact by the filter's
-                  argument per block: a top-K token below its block's x_k has x_k's log-prob (k tokens of the block
-                  are at least as large). Written because the second launch cost 11-12 us in a CUDA graph at K = 16
-                  (topk_probe, tree_run23: top-K 19.6 / 22.5 us against topk_stats' 8.4 / 10.8 at L = 7 / 15).
 Exactness: lp(x) = grid(fp32(x - lse)) is non-decreasing in x, so every token with lp >= lp_K (lp_K the
 log-prob of the K-th largest logit x_K >= lo(b)) has x >= lo(b) - band; the candidates therefore hold the top K.
 Per logit (sm_90 SASS): stats ~5 integer instructions for the bin, one shared atomic, ~12 fp64 for the exp (no
@@ -52,8 +40,8 @@ import numpy as np
 from numba import cuda
 
 from .tree_device import (DEVICE, EXP_TAB_BITS, KERNEL, LP_FLOOR, SIM, TBUF, WARP, ballot, bin_runs_for, buckets_above,
-                          exp_le0, f32_bits, f32_from_bits, find_bin_for, grid_log_prob, key_value, pair_sort,
-                          shfl_idx, shfl_xor, sortable_key)
+                          exp_le0, f32_bits, find_bin_for, grid_log_prob, key_value, pair_sort, shfl_idx, shfl_xor,
+                          sortable_key)
 
 NB = 4096            # digit-0 histogram bins: the top 12 bits of the 32-bit sortable key
 NB1 = NB + 1
@@ -66,9 +54,6 @@ NBK = 64 if SIM else 2048      # buckets of the final rank (bucket_rank); a mult
 SMALL_RANK = 256     # at most this many candidates (and one a thread): count_rank instead of bucket_rank
 LOW = 0xFFFFFFFF     # composite key: high word sortable(lp) - 2^31, low word LOW - id
 NEG = -(2 ** 63)     # sorts after every composite key
-ONE_KMAX = 64        # K up to this: topk_one, the top-K in one launch (its candidates, ~P * K, fit ONE_CAP)
-ONE_CAP = CAP if SIM else 2048   # topk_one's staged candidates a block, and the row's (shared memory: 43 KB in all)
-ONE_SLACK = 64.0     # topk_one's band assumes |lse - the block's max| <= ONE_SLACK - 1 (checked; else the whole row)
 # The block on the GPU (a compile-time constant there: strided loops need no division) and the blocks per SM that
 # keep the grid one wave (WAVE_BLOCKS, registers <= 64). 1024: the row's last block sorts its candidates with a
 # thread per key; bench/results/tree_run14/README.md (H100): top-K 38.7 / 51.6 / 74.0 us at L = 15, K = 16 / 256
@@ -182,26 +167,26 @@ find_bin = find_bin_for(0 if SIM else TOPK_T)   # (the simulator's blocks come i
 run_sum, find_in_runs = bin_runs_for(0 if SIM else TOPK_T)
 
 
-@cuda.jit(**DEVICE)
-def stats_prologue(sh, tab):
-    """Zero the block's histogram (NB bins and the padding's spare one) and copy exp_le0's table; then a barrier."""
-    tid = cuda.threadIdx.x
+@cuda.jit(**TOPK_JIT)
+def topk_stats(x, vocab, chunk, part_m, part_s, hist):
+    p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
     T = cuda.blockDim.x if SIM else TOPK_T
+    wm = cuda.shared.array(WARP, np.float64)
+    ws = cuda.shared.array(WARP, np.float64)
+    fbuf = cuda.shared.array(TBUF, np.float64)
+    sh = cuda.shared.array(NB1, np.int32)          # NB bins and a spare one for padding
+    tab = cuda.shared.array(64, np.int64)          # exp_le0's 2^(j/64), as bits
+    vals = cuda.local.array(EPT, np.float32)
+    nxt = cuda.local.array(EPT, np.float32)
     for i in range(tid, NB1, T):
         sh[i] = 0
     ctab = cuda.const.array_like(EXP_TAB_BITS)
     for i in range(tid, 64, T):
         tab[i] = ctab[i]
     cuda.syncthreads()
-
-
-@cuda.jit(**DEVICE)
-def chunk_stats(xr, lo, hi, sh, tab, vals, nxt):
-    """This thread's (max, sum exp(x - max)) over its logits of the chunk [lo, hi) of the row xr (fp64, online per
-    sub-chunk), and each logit counted into its bin of the block's histogram sh. Every thread calls it; no barrier
-    (the caller's block_partial has one, after every atomic)."""
-    tid = cuda.threadIdx.x
-    T = cuda.blockDim.x if SIM else TOPK_T
+    xr = x[row]
+    lo = p * chunk
+    hi = min(vocab, lo + chunk)
     m = -math.inf
     s = 0.0
     if lo < hi:
@@ -224,23 +209,6 @@ def chunk_stats(xr, lo, hi, sh, tab, vals, nxt):
             for j in range(EPT):
                 s += exp_le0(np.float64(vals[j]) - mn, tab)     # 0 for -inf: masked tokens and padding
             m = mn
-    return m, s
-
-
-@cuda.jit(**TOPK_JIT)
-def topk_stats(x, vocab, chunk, part_m, part_s, hist):
-    p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
-    T = cuda.blockDim.x if SIM else TOPK_T
-    wm = cuda.shared.array(WARP, np.float64)
-    ws = cuda.shared.array(WARP, np.float64)
-    fbuf = cuda.shared.array(TBUF, np.float64)
-    sh = cuda.shared.array(NB1, np.int32)          # NB bins and a spare one for padding
-    tab = cuda.shared.array(64, np.int64)          # exp_le0's 2^(j/64), as bits
-    vals = cuda.local.array(EPT, np.float32)
-    nxt = cuda.local.array(EPT, np.float32)
-    stats_prologue(sh, tab)
-    lo = p * chunk
-    m, s = chunk_stats(x[row], lo, min(vocab, lo + chunk), sh, tab, vals, nxt)
     bm, bs = block_partial(m, s, wm, ws, fbuf)    # (its barrier: every histogram atomic is done)
     for i in range(tid, NB, T):
         c = sh[i]
@@ -408,102 +376,11 @@ def count_rank(cand, row, n, k, sk, buf, top_lp, top_id):
         write_top(key, r, row, top_lp, top_id)
 
 
-@cuda.jit(**DEVICE)
-def band_cut32(lo_x, ref, slack):
-    """An fp32 threshold at or below lo_x - (|lo_x - ref| + slack) * 2^-21 (within a few ulps: a candidate more or
-    less is harmless, a missed one is not), so that x >= it holds for every token whose grid log-prob can equal
-    lo_x's when |lo_x - lse| <= |lo_x - ref| + slack - 1 (the band: a few fp32 ulps of |x - lse| plus the 2^-28
-    grid); compared in fp32, no fp64 conversion per logit. -inf when lo_x is -inf."""
-    cut = np.float64(lo_x) - (abs(np.float64(lo_x) - ref) + slack) * 4.76837158203125e-07   # 2^-21
-    return np.float32(cut - (abs(cut) * 2.384185791015625e-07 + 1e-30))
-
-
-@cuda.jit(**DEVICE)
-def stage(xr, lo, hi, cut32, ls, raw, keys, cap, nb, vals, nxt, buf):
-    """Stage the block's candidates, the tokens of the chunk [lo, hi) with x >= cut32, in keys[:cap] (shared), their
-    count in nb[0] (zero on entry; more than cap: the excess is counted, not kept). A key is the token's composite
-    key (lse ls), or with raw its fp32 bits and id, (bits << 32) | id. nxt holds the chunk's first sub-chunk on entry
-    (load_values). Every thread calls it; no barrier."""
-    tid = cuda.threadIdx.x
-    T = cuda.blockDim.x if SIM else TOPK_T
-    lane = tid % WARP
-    for base in range(lo, hi, T * EPT):
-        lim = hi - base
-        full = lim >= T * EPT
-        for j in range(EPT):
-            vals[j] = nxt[j]
-        if T * EPT < lim:
-            load_values(xr, base + T * EPT, lim - T * EPT, nxt)
-        for j in range(EPT):
-            # the block's candidates go to shared memory first (keys): one shared atomic per warp and value
-            # slot, lane `lead` reserving the warp's candidates, each taking its rank among them. (A global
-            # atomic per warp waited ~1 us for its reply under the row's contention: 7-13 us at K = 256-1024,
-            # bench/topk_ablate.py.) bal is warp-uniform: a warp without candidates, nearly all of them, skips
-            # the rest; the simulator's twins need every thread, so there it never skips. Padding is -inf: it
-            # passes a cut of -inf only, so that one reads the sub-chunk's bound.
-            take = vals[j] >= cut32 and (full or j * T + tid < lim)
-            bal = ballot(take, buf)
-            if SIM or bal != 0:
-                lead = cuda.popc(bal ^ (bal - 1)) - 1 if bal != 0 else 0
-                got = 0
-                if bal != 0 and lane == lead:
-                    got = cuda.atomic.add(nb, 0, cuda.popc(bal))
-                got = shfl_idx(got, lead, buf)
-                if take:
-                    slot = got + cuda.popc(bal & ((np.int64(1) << lane) - 1))
-                    if slot < cap:
-                        i = base + j * T + tid
-                        keys[slot] = (f32_bits(vals[j]) << 32) | i if raw else composite(vals[j], i, ls)
-
-
-@cuda.jit(**DEVICE)
-def finish_row(x, vocab, k, row, n, whole, ls, cand, keys, cnt, bins, comp, tmp, buf, shr, top_lp, top_id):
-    """The row's last block: top_lp / top_id[row, :k] from its n distinct composite keys cand[row, :n] (any order;
-    n <= RPT * T), or, when `whole` (the candidates overflowed or the cut was not usable), by a radix select of the
-    k-th largest key over the whole row and a sort of the k keys above it (tie-heavy rows: exact, slow). keys:
-    shared int64 [>= max(n, k)]. Every thread of the block calls it."""
-    tid = cuda.threadIdx.x
-    T = cuda.blockDim.x if SIM else TOPK_T
-    if whole:
-        thr = radix_select(vocab, k, x, row, ls, bins, tmp, buf, shr)
-        if tid == 0:                                 # the k keys >= thr (distinct keys: exactly k), in any order
-            shr[0] = 0
-        cuda.syncthreads()
-        for i in range(tid, vocab, T):
-            key = composite(x[row, i], i, ls)
-            if key >= thr:
-                keys[cuda.atomic.add(shr, 0, 1)] = key
-        cuda.syncthreads()
-        sort_keys(keys, comp, k, NEG, buf)
-        for r in range(tid, k, T):
-            write_top(keys[r], r, row, top_lp, top_id)
-    elif n <= T and n <= SMALL_RANK:
-        count_rank(cand, row, n, k, keys, buf, top_lp, top_id)
-    else:   # (bucket_rank's thread 0 overwrites shr[0], the caller's last-block flag, with a nonzero value while
-            # others may still read it: harmless, as every thread that reaches this point read or will read a
-            # nonzero flag)
-        bucket_rank(cand, row, n, k, keys, cnt, tmp, buf, shr, top_lp, top_id)
-
-
-@cuda.jit(**DEVICE)
-def last_of_row(counters, row, nparts, shr):
-    """After the block's writes: True in the row's last block to get here (every block's writes then visible to it).
-    Every thread calls it."""
-    cuda.threadfence()
-    cuda.syncthreads()
-    if cuda.threadIdx.x == 0:
-        last = cuda.atomic.add(counters, (row, 1), 1) == nparts - 1
-        if last:
-            cuda.threadfence()                   # the reader's side: one thread, then the barrier
-        shr[0] = 1 if last else 0
-    cuda.syncthreads()
-    return shr[0] != 0
-
-
 @cuda.jit(**TOPK_JIT)
 def topk_filter(x, vocab, chunk, k, part_m, part_s, hist, counters, cand, top_lp, top_id):
     p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
     T = cuda.blockDim.x if SIM else TOPK_T
+    lane = tid % WARP
     nparts = cuda.gridDim.x
     keys = cuda.shared.array(CAP, np.int64)
     cnt = cuda.shared.array(NBK, np.int32)
@@ -539,8 +416,35 @@ def topk_filter(x, vocab, chunk, k, part_m, part_s, hist, counters, cand, top_lp
     lo_x = key_value(b << SHIFT0)                           # smallest value of bin b
     lo_lp = grid_log_prob(lo_x, ls)
     whole = above > CAP or not (lo_lp > LP_FLOOR) or not (abs(lo_x) < math.inf)
+    cut = np.float64(lo_x) - (abs(np.float64(lo_x) - ls) + 1.0) * 4.76837158203125e-07   # 2^-21 band
+    # an fp32 threshold at or below cut (within a few ulps: a candidate more or less is harmless, a missed one
+    # is not): x >= cut implies x >= cut32, compared in fp32 (no fp64 conversion per logit)
+    cut32 = np.float32(cut - (abs(cut) * 2.384185791015625e-07 + 1e-30))
     if not whole:
-        stage(xr, lo, hi, band_cut32(lo_x, ls, 1.0), ls, False, keys, CAP, nb, vals, nxt, buf)
+        for base in range(lo, hi, T * EPT):
+            lim = hi - base
+            for j in range(EPT):
+                vals[j] = nxt[j]
+            if T * EPT < lim:
+                load_values(xr, base + T * EPT, lim - T * EPT, nxt)
+            for j in range(EPT):
+                # the block's candidates go to shared memory first (keys): one shared atomic per warp and value
+                # slot, lane `lead` reserving the warp's candidates, each taking its rank among them. (A global
+                # atomic per warp waited ~1 us for its reply under the row's contention: 7-13 us at K = 256-1024,
+                # bench/topk_ablate.py.) bal is warp-uniform: a warp without candidates, nearly all of them, skips
+                # the rest; the simulator's twins need every thread, so there it never skips.
+                take = vals[j] >= cut32                  # padding is -inf, cut32 is finite
+                bal = ballot(take, buf)
+                if SIM or bal != 0:
+                    lead = cuda.popc(bal ^ (bal - 1)) - 1 if bal != 0 else 0
+                    got = 0
+                    if bal != 0 and lane == lead:
+                        got = cuda.atomic.add(nb, 0, cuda.popc(bal))
+                    got = shfl_idx(got, lead, buf)
+                    if take:
+                        slot = got + cuda.popc(bal & ((np.int64(1) << lane) - 1))
+                        if slot < CAP:
+                            keys[slot] = composite(vals[j], base + j * T + tid, ls)
     cuda.syncthreads()
     m = nb[0]                                    # more than CAP: the row's count overflows too (the whole-row path)
     if tid == 0:
@@ -549,141 +453,37 @@ def topk_filter(x, vocab, chunk, k, part_m, part_s, hist, counters, cand, top_lp
     front = shr[0]
     for i in range(tid, min(m, CAP - front), T):
         cand[row, front + i] = keys[i]
-    if not last_of_row(counters, row, nparts, shr):
+    cuda.threadfence()
+    cuda.syncthreads()
+    if tid == 0:
+        last = cuda.atomic.add(counters, (row, 1), 1) == nparts - 1
+        if last:
+            cuda.threadfence()                   # the reader's side: one thread, then the barrier
+        shr[0] = 1 if last else 0
+    cuda.syncthreads()
+    if shr[0] == 0:
         return
     for i in range(tid, NB, T):                 # every block has read the histogram: clean it for the next call
         hist[row, i] = 0
     n = np.int64(counters[row, 0])
-    finish_row(x, vocab, k, row, n, whole or n > CAP or n > RPT * T, ls, cand, keys, cnt, bins, comp, tmp, buf, shr,
-               top_lp, top_id)
+    if whole or n > CAP or n > RPT * T:
+        thr = radix_select(vocab, k, x, row, ls, bins, tmp, buf, shr)
+        if tid == 0:                                 # the k keys >= thr (distinct keys: exactly k), in any order
+            shr[0] = 0
+        cuda.syncthreads()
+        for i in range(tid, vocab, T):
+            key = composite(x[row, i], i, ls)
+            if key >= thr:
+                keys[cuda.atomic.add(shr, 0, 1)] = key
+        cuda.syncthreads()
+        sort_keys(keys, comp, k, NEG, buf)
+        for r in range(tid, k, T):
+            write_top(keys[r], r, row, top_lp, top_id)
+    elif n <= T and n <= SMALL_RANK:
+        count_rank(cand, row, n, k, keys, buf, top_lp, top_id)
+    else:   # (bucket_rank's thread 0 overwrites shr[0], the flag, with a nonzero value while others may still read
+            # it: harmless, as every thread that reaches this point read or will read a nonzero flag)
+        bucket_rank(cand, row, n, k, keys, cnt, tmp, buf, shr, top_lp, top_id)
     if tid == 0:
         counters[row, 0] = 0
         counters[row, 1] = 0
-
-
-@cuda.jit(**TOPK_JIT)
-def topk_one(x, vocab, chunk, k, part_m, part_s, part_k, counters, cand, top_lp, top_id, path):
-    p, row, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
-    T = cuda.blockDim.x if SIM else TOPK_T
-    nparts = cuda.gridDim.x
-    wm = cuda.shared.array(WARP, np.float64)
-    ws = cuda.shared.array(WARP, np.float64)
-    fbuf = cuda.shared.array(TBUF, np.float64)
-    sh = cuda.shared.array(NB1, np.int32)                   # the block's histogram (and the padding's bin)
-    tab = cuda.shared.array(64, np.int64)
-    keys = cuda.shared.array(ONE_CAP, np.int64)             # staged (bits << 32) | id; the last block's ranking
-    cnt = cuda.shared.array(NBK, np.int32)
-    comp = cuda.shared.array(1, np.int32)
-    bins = cuda.shared.array(RB, np.int32)
-    tmp = cuda.shared.array(32, np.int64)
-    buf = cuda.shared.array(TBUF, np.int64)
-    shr = cuda.shared.array(2, np.int64)
-    nb = cuda.shared.array(2, np.int32)                     # staged, kept (the last block: [0] a cut failed)
-    fsh = cuda.shared.array(2, np.float64)                  # the block's max; the row's lse
-    xkey = cuda.shared.array(1, np.int64)                   # the block's k-th largest logit, as a sortable key
-    vals = cuda.local.array(EPT, np.float32)
-    nxt = cuda.local.array(EPT, np.float32)
-    stats_prologue(sh, tab)
-    xr = x[row]
-    lo = p * chunk
-    hi = min(vocab, lo + chunk)
-    m, s = chunk_stats(xr, lo, hi, sh, tab, vals, nxt)
-    bm, bs = block_partial(m, s, wm, ws, fbuf)              # (its barrier: every histogram atomic is done)
-    if tid == 0:
-        part_m[row, p] = bm
-        part_s[row, p] = bs
-        fsh[0] = bm
-        nb[0] = 0
-        nb[1] = 0
-        xkey[0] = np.int64(0xFFFFFFFF)
-    if lo < hi:                                             # the first sub-chunk is in flight during find_bin
-        load_values(xr, lo, hi - lo, nxt)
-    take_all = hi - lo <= k                                 # every token of the chunk is a candidate
-    cut32 = np.float32(-math.inf)
-    if take_all:
-        cuda.syncthreads()
-    else:                                                   # (find_bin's barriers publish fsh, nb and xkey)
-        b, _ = find_bin(sh, NB, k, tmp, buf, shr)
-        cut32 = band_cut32(key_value(b << SHIFT0), fsh[0], ONE_SLACK)
-    mb = fsh[0]
-    stage(xr, lo, hi, cut32, 0.0, True, keys, ONE_CAP, nb, vals, nxt, buf)
-    cuda.syncthreads()
-    ns = np.int64(nb[0])
-    ok = ns <= ONE_CAP and (take_all or ns >= k)            # (bins >= b hold >= k tokens: ns < k cannot happen)
-    xk = -math.inf
-    if ok and not take_all:
-        # the block's k-th largest logit: the smallest staged x with fewer than k staged values above it; g
-        # threads a staged value, each counting over every g-th one, then a butterfly (as count_rank)
-        g = 1
-        while g < WARP and 2 * g * ns <= T:
-            g *= 2
-        for c0 in range(0, ns, T // g):
-            i = c0 + tid // g
-            xi = f32_from_bits(keys[i] >> 32) if i < ns else np.float32(0.0)
-            r = np.int32(0)
-            if i < ns:
-                for j in range(tid % g, ns, g):
-                    if f32_from_bits(keys[j] >> 32) > xi:
-                        r += 1
-            off = 1
-            while off < g:
-                r = np.int32(r + shfl_xor(r, off, buf))
-                off *= 2
-            if i < ns and tid % g == 0 and r < k:
-                cuda.atomic.min(xkey, 0, sortable_key(xi))
-        cuda.syncthreads()
-        xk = np.float64(key_value(xkey[0]))
-    cutk = np.float32(-math.inf) if take_all else band_cut32(xk, mb, ONE_SLACK)   # kept: staged x >= cutk
-    if ok:
-        for i in range(tid, ns, T):
-            if f32_from_bits(keys[i] >> 32) >= cutk:
-                cuda.atomic.add(nb, 1, 1)
-    cuda.syncthreads()
-    if tid == 0:
-        kept = nb[1]
-        shr[0] = cuda.atomic.add(counters, (row, 0), kept) if kept > 0 else 0
-        if not ok:
-            counters[row, 2] = 1                            # the row takes the whole-row path
-        part_k[row, p] = xk
-        nb[1] = 0
-    cuda.syncthreads()
-    front = shr[0]
-    if ok:
-        for i in range(tid, ns, T):
-            key = keys[i]
-            if f32_from_bits(key >> 32) >= cutk:
-                slot = front + cuda.atomic.add(nb, 1, 1)
-                if slot < ONE_CAP:
-                    cand[row, slot] = key
-    if not last_of_row(counters, row, nparts, shr):
-        return
-    # the row's last block: lse, then every block's cut checked against it: a token of the top K below a block's
-    # k-th largest logit x_k has x_k's log-prob, so x >= x_k - (|x_k - lse| + 1) 2^-21 (the filter's band)
-    if tid == 0:
-        nb[0] = 0
-    if SIM or tid < WARP:
-        lsw = warp_lse(part_m, part_s, row, nparts, fbuf)
-        if tid == 0:
-            fsh[1] = lsw
-    cuda.syncthreads()
-    ls = fsh[1]
-    for j in range(tid, nparts, T):
-        xj = part_k[row, j]
-        if xj > -math.inf:
-            need = xj - (abs(xj - ls) + 1.0) * 4.76837158203125e-07
-            if not (band_cut32(xj, part_m[row, j], ONE_SLACK) <= need and grid_log_prob(xj, ls) > LP_FLOOR):
-                nb[0] = 1
-    cuda.syncthreads()
-    n = np.int64(counters[row, 0])
-    whole = nb[0] != 0 or counters[row, 2] != 0 or n > ONE_CAP
-    if not whole:                                           # (bits, id) -> composite keys, in place
-        for i in range(tid, n, T):
-            raw = cand[row, i]
-            cand[row, i] = composite(f32_from_bits(raw >> 32), raw & np.int64(LOW), ls)
-        cuda.syncthreads()
-    finish_row(x, vocab, k, row, n, whole, ls, cand, keys, cnt, bins, comp, tmp, buf, shr, top_lp, top_id)
-    if tid == 0:
-        counters[row, 0] = 0
-        counters[row, 1] = 0
-        counters[row, 2] = 0
-        path[row] = 1 if whole else 0                       # for tests and debugging: the row's last path
