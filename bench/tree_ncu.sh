@@ -2,8 +2,9 @@
 # Full ncu profiles of the tree kernels (issue 5) for reading stall reasons per SASS instruction offline.
 # Usage (repository root, on the GPU machine): OUT=dir bash bench/tree_ncu.sh [L budget kind]...
 # (default: "15 16 draftlike" and "15 256 draftlike"; NCU_SKIP / NCU_COUNT: the launches skipped and profiled, default
-# 6 / 3, the third build of a budget <= 256; above 256 a build is 4 launches: 8 / 4). Per case writes $OUT/ncu_<L>_<B>_<kind>.txt (the details page
-# of every profiled kernel) and $OUT/sass_<L>_<B>_<kind>.csv (stall samples per SASS instruction, all kernels).
+# 6 / 3, the third build of a budget <= 256; above 256 a build is 4 launches: 8 / 4). Per case writes
+# $OUT/ncu_<L>_<B>_<kind>.txt (the details page of every profiled kernel) and $OUT/sass_<L>_<B>_<kind>.csv (stall
+# samples per SASS instruction, all kernels).
 set -u
 OUT=${OUT:-/tmp/tree_ncu}
 mkdir -p "$OUT"

@@ -31,7 +31,8 @@ Shared memory: the launch's dynamic pool (segment_layout; 132 C bytes, 33 KB at 
     are derived from the segment's ranks (seg_prod) instead of stored, so that budgets up to 256 fit 48 KB beside
     tree_beam's body (12 KB at C = 256; the bodies' static arrays would not: 26 + 42 + 12 KB). Up to C = 128
     (WIDE_CMAX) the pool has room for the layout of tree_run20's timing (int64 rows, 4 C buckets, 200 C bytes); the
-    fp32 rows and 2 C buckets made budget 64 slower (tree_run22: 30.7 / 34.7 against 27.6 / 30.9 us).
+    fp32 rows and 2 C buckets made budget 64 slower (tree_run22: 30.7 / 34.7 against 27.6 / 30.9 us; with this
+    layout again, tree_run23: 28.0 / 30.9).
 Measured (tree_run20, H100, the beam stage alone, budget 64, 64 threads): 30.2 / 33.4 us on draft-like rows at L = 7 /
     15 (trees 7 / 12 deep) against tree_beam's 32.7 / 53.5: latency-bound (two warps, ~15 barrier phases); in one
     warp (budgets <= 32) slower than the list beam (27.9 against 15.2 us), so the auto beam does not use it.

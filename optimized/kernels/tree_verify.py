@@ -9,7 +9,8 @@ compile_rows   grid over (row, word) pairs, COMPILE_W a block of COMPILE_T threa
                writing its own word's 32 booleans made every warp store touch 32 sectors. tree_run23 (H100): that
                store pattern took compile at budget 1024 from 18.2 to 13.4 us, but with 128 words a block (32
                bytes a thread, a division each) budget 64 from 6.2 to 9.0; hence 64 words a block and the byte's
-               row and column stepped without a division.
+               row and column stepped without a division: tree_run24, 6.3-6.8 / 6.8-7.6 / 9.8-10.4 us at budget
+               64 / 256 / 1024.
                Packed format: words per row W = ceil((n+1)/32); bit b of word w of row i is vis[i, 32w+b];
                bits past column n are 0; stored in int32 (the uint32 bit pattern).
 follow         one block: per step, the threads scan the rows for the child of the current node carrying the
